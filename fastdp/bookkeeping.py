@@ -1,0 +1,171 @@
+"""Book-keeping: per-sample norms, clipping factors and the clipped sum, once a backward pass is complete.
+
+Input: the *records* of one backward pass -- one per call of a hooked module, each with its kept activation and
+the output gradient captured in the backward pass. Output: ``sum_i C_i g_i`` per trainable parameter, where
+``g_i`` is sample ``i``'s gradient of its own loss and ``C_i`` its clipping factor for the parameter's group.
+
+Steps (Bu et al. 2023, "book-keeping"; Li et al. 2021, "ghost clipping"):
+
+1. Per parameter, ``||g_i||^2``: by the ghost norm or by instantiating ``g_i``, per clipping mode and the layer's
+   cost model. A parameter used by several calls (a module called twice, a weight tied into two modules) gets the
+   norm of its per-sample *sum* over all uses, from instantiated per-sample gradients.
+2. Per clipping group ``k``: ``n_ik = sqrt(sum over the group's parameters of ||g_i||^2)`` and
+   ``C_ik = clip_fn(n_ik, R_k)``.
+3. Per parameter: ``sum_i C_ik g_i`` -- from kept per-sample gradients (``einsum``), from one contraction of
+   activations and output gradients (book-keeping), or, in ``"ghost"`` mode, by a second, layer-local autograd
+   backward of ``sum_i C_i L_i`` (GhostClip).
+
+The captured gradients are those of the user's loss. With ``loss_reduction="mean"`` that loss is
+``(1/B) sum_i L_i``, so every captured gradient is ``1/B`` times the per-sample one: norms are multiplied by ``B``
+and so are the factors applied to the captured tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fastdp.clipping import ClipFn
+from fastdp.layers.base import LayerKind, accumulation_dtype
+
+CLIPPING_MODES = ("BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate")
+
+
+@dataclass(eq=False)
+class Record:
+    """One call of a hooked module: what the forward kept and what the backward delivered."""
+
+    module: nn.Module
+    kind: LayerKind
+    names: frozenset[str]  # the module's trainable parameter names
+    activation: torch.Tensor | None
+    grad_output: torch.Tensor | None = None
+    ctx: Any = field(default=None, repr=False)
+
+
+@dataclass
+class ClipConfig:
+    """What :func:`clipped_sums` needs besides the records."""
+
+    mode: str
+    clip_fn: ClipFn
+    thresholds: Sequence[float]  # R_k per group
+    group_of: dict[nn.Parameter, int]  # parameter -> group index
+    mean_reduction: bool
+
+
+def _batch_size(records: list[Record]) -> int:
+    sizes = {id(r): r.kind.batch_size(r.activation, r.grad_output) for r in records}
+    distinct = set(sizes.values())
+    if len(distinct) > 1:
+        detail = ", ".join(f"{type(r.module).__name__}: {sizes[id(r)]}" for r in records)
+        raise RuntimeError(
+            "hooked layers saw different batch sizes in one backward pass "
+            f"({detail}). A layer whose input is shared across the batch (batch dimension 1, broadcast) "
+            "cannot be attributed to samples; give its input the batch dimension (e.g. expand position ids to "
+            "(B, T)).")
+    return distinct.pop()
+
+
+def _norm_sq(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(1).square().sum(dim=1)
+
+
+def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("b,b...->...", coef.to(psg.dtype), psg)
+
+
+def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GhostClip's second backward, layer-local: gradients of ``sum_i coef_i <G_i, out_i>`` w.r.t. ``names``."""
+    module = rec.module
+    with torch.enable_grad():
+        leaves = {n: getattr(module, n).detach().requires_grad_(True) for n in names}
+        out = functional_call(module, leaves, (rec.activation,))
+        g = rec.grad_output
+        weights = g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+        grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=weights)
+    return dict(zip(names, grads, strict=True))
+
+
+def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
+                 cfg: ClipConfig) -> dict[nn.Parameter, torch.Tensor]:
+    """``sum_i C_i g_i`` per parameter for one backward pass (see the module docstring).
+
+    Args:
+        records: the calls whose output gradients arrived in this backward pass.
+        param_of: ``(id(module), attribute name) -> parameter``.
+        cfg: clipping mode, function, per-group thresholds and groups, loss reduction.
+
+    Returns:
+        parameter -> clipped sum, shape ``param.shape``, in at least float32.
+    """
+    if not records:
+        return {}
+    B = _batch_size(records)
+    scale = float(B) if cfg.mean_reduction else 1.0
+    mode = cfg.mode
+
+    uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
+    for rec in records:
+        rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+        for name in sorted(rec.names):
+            uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
+
+    norm_sq: dict[nn.Parameter, torch.Tensor] = {}
+    kept: dict[nn.Parameter, torch.Tensor] = {}  # instantiated per-sample gradients kept for step 3
+    for param, plist in uses.items():
+        if len(plist) > 1:  # shared parameter: norm of the per-sample sum over uses
+            total = sum(r.kind.per_sample_grad(r.module, r.ctx, n) for r, n in plist)
+            norm_sq[param] = _norm_sq(total)
+            kept[param] = total
+            continue
+        rec, name = plist[0]
+        kind, module = rec.kind, rec.module
+        ghost_ok = name in kind.ghost_names(module)
+        if ghost_ok and (mode in ("BK-ghost", "ghost") or (
+                mode in ("BK-MixOpt", "BK-MixGhostClip") and kind.prefers_ghost(module, rec.ctx, name))):
+            norm_sq[param] = kind.ghost_norm_sq(module, rec.ctx, name)
+        else:
+            psg = kind.per_sample_grad(module, rec.ctx, name)
+            norm_sq[param] = _norm_sq(psg)
+            if mode in ("BK-MixOpt", "instantiate"):
+                kept[param] = psg
+
+    # Step 2: per-group norms and factors.
+    group_sq: dict[int, torch.Tensor] = {}
+    for param, sq in norm_sq.items():
+        k = cfg.group_of[param]
+        group_sq[k] = group_sq[k] + sq if k in group_sq else sq
+    coefs: dict[int, torch.Tensor] = {}
+    for k, sq in group_sq.items():
+        norms = sq.clamp(min=0).sqrt() * scale
+        coefs[k] = cfg.clip_fn(norms, cfg.thresholds[k]) * scale
+
+    # Step 3: clipped sums.
+    out: dict[nn.Parameter, torch.Tensor] = {}
+    replay: dict[Record, list[str]] = {}
+    for param, plist in uses.items():
+        coef = coefs[cfg.group_of[param]]
+        if param in kept:
+            out[param] = _weighted_sum(coef, kept[param])
+        elif mode == "ghost":
+            rec, name = plist[0]
+            replay.setdefault(rec, []).append(name)
+        else:
+            rec, name = plist[0]
+            out[param] = rec.kind.clipped_sum(rec.module, rec.ctx, name, coef)
+    for rec, names in replay.items():
+        by_group: dict[int, list[str]] = {}
+        for n in names:
+            by_group.setdefault(cfg.group_of[param_of[(id(rec.module), n)]], []).append(n)
+        for k, group_names in by_group.items():
+            for n, g in _replay_grads(rec, group_names, coefs[k]).items():
+                out[param_of[(id(rec.module), n)]] = g
+    for rec in records:
+        rec.ctx = None
+    return {p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}

@@ -1,0 +1,420 @@
+"""The :class:`PrivacyEngine`: exact per-sample clipping and Gaussian noise for any ``torch.optim`` optimizer.
+
+How one logical step works (see docs/engine.md):
+
+1. **Forward.** A forward hook on every supported module with trainable parameters keeps its input (only when a
+   trainable parameter needs it: a bias-only layer keeps nothing) and registers a tensor hook on its output.
+2. **Backward.** Each hooked module's trainable parameters stop requiring grad for the duration of its own
+   forward call (*ghost differentiation*), so the graph has no edge to them: the user's ``loss.backward()``
+   computes only the gradients that flow between layers, never the non-private weight gradients, and
+   ``requires_grad`` reads as the user set it at all other times. The tensor hooks capture each layer's output gradient. When the backward pass
+   is complete, :func:`fastdp.bookkeeping.clipped_sums` turns the records into ``sum_i C_i g_i`` per parameter
+   and adds it to the engine's accumulator (several backward passes before one step accumulate).
+3. **Step.** A step pre-hook on the optimizer writes ``p.grad = (sum_i C_i g_i + sigma R xi) / batch_size`` for
+   every trainable parameter, counts the step in the accountant, and lets the optimizer update.
+
+All state lives in the engine's own tables keyed by module and parameter; :meth:`PrivacyEngine.detach` removes
+every hook and restores ``requires_grad``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdp import accounting
+from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, Record, clipped_sums
+from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
+from fastdp.layers import kind_for, supported_types
+from fastdp.layers.base import LayerKind, accumulation_dtype
+from fastdp.noise import gaussian_noise
+
+logger = logging.getLogger(__name__)
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def default_delta(sample_size: int) -> float:
+    """The default target delta: ``1 / (2 * sample_size)``, below ``1 / sample_size`` as it must be."""
+    return 1.0 / (2.0 * sample_size)
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+class PrivacyEngine:
+    """Differentially private training by adding one object to an ordinary PyTorch loop.
+
+    Example::
+
+        engine = PrivacyEngine(model, batch_size=256, sample_size=50_000, epochs=3, target_epsilon=3.0)
+        engine.attach(optimizer)
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.get_privacy_spent()
+
+    The released gradient of every trainable parameter is ``(sum_{i in batch} C_i g_i + sigma R xi) / batch_size``
+    with ``g_i`` the gradient of sample ``i``'s loss, ``C_i`` its clipping factor (``clipping_fn``,
+    ``clipping_style``), ``R = max_grad_norm``, ``sigma = noise_multiplier`` and ``xi ~ N(0, I)`` drawn once per
+    parameter per logical step.
+
+    Args:
+        model: the model; its parameters with ``requires_grad=True`` now are the trainable set. Every one must
+            belong to a supported layer (``fastdp.layers.supported_types()``), otherwise the constructor raises.
+        batch_size: the expected logical batch size ``B``; the sample rate is ``q = B / sample_size``.
+        sample_size: the number of examples in the private data set.
+        epochs, steps: the planned training length, needed only to calibrate ``noise_multiplier`` from
+            ``target_epsilon`` (give one of them; ``steps = ceil(epochs / q)``).
+        noise_multiplier: ``sigma``; ``0.0`` is allowed (no privacy; a warning) to check clipping alone.
+        target_epsilon: calibrate ``sigma`` so that epsilon after the planned steps is at most this.
+        target_delta: delta; default :func:`default_delta` = ``1 / (2 sample_size)``.
+        max_grad_norm: the clipping threshold ``R`` (total per-sample sensitivity).
+        clipping_fn: ``"abadi"``, ``"automatic"`` or ``"global"`` (see :mod:`fastdp.clipping`).
+        clipping_style: ``"all-layer"``, ``"layer-wise"``, ``"param-wise"`` or a list of lists of parameter names.
+        clipping_mode: ``"BK-MixOpt"`` (default), ``"BK-MixGhostClip"``, ``"BK-ghost"``, ``"ghost"`` or
+            ``"instantiate"``; all give the same gradient up to rounding (see docs/engine.md).
+        accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"`` (an approximation).
+        loss_reduction: ``"mean"`` if the loss averages the per-sample losses over the physical batch, ``"sum"``
+            if it adds them.
+        noise_generator: a ``torch.Generator`` on the parameters' device to draw the noise from.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        batch_size: int,
+        sample_size: int,
+        epochs: float | None = None,
+        steps: int | None = None,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        max_grad_norm: float = 1.0,
+        clipping_fn: str = "abadi",
+        clipping_style: str | Sequence[Sequence[str]] = "all-layer",
+        clipping_mode: str = "BK-MixOpt",
+        accountant: str = "prv",
+        loss_reduction: str = "mean",
+        noise_generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.batch_size = _check_positive_int("batch_size", batch_size)
+        self.sample_size = _check_positive_int("sample_size", sample_size)
+        if batch_size > sample_size:
+            raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}; the sample rate "
+                             "batch_size / sample_size must be in (0, 1]")
+        self.sample_rate = batch_size / sample_size
+        if not (isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0")
+        self.max_grad_norm = float(max_grad_norm)
+        self._clip_fn = get_clipping_fn(clipping_fn)
+        self.clipping_fn = clipping_fn
+        if clipping_mode not in CLIPPING_MODES:
+            raise ValueError(f"clipping_mode={clipping_mode!r} is not one of {list(CLIPPING_MODES)}")
+        self.clipping_mode = clipping_mode
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction={loss_reduction!r} is not one of {list(LOSS_REDUCTIONS)}")
+        self.loss_reduction = loss_reduction
+        if noise_generator is not None and not isinstance(noise_generator, torch.Generator):
+            raise ValueError(f"noise_generator must be a torch.Generator, got {type(noise_generator).__name__}")
+        self.noise_generator = noise_generator
+        self.accountant = accounting.make_accountant(accountant)
+        self.target_delta = default_delta(sample_size) if target_delta is None else float(target_delta)
+        if not 0.0 < self.target_delta < 1.0:
+            raise ValueError(f"target_delta={target_delta!r} must be in (0, 1)")
+        if self.target_delta >= 1.0 / sample_size:
+            warnings.warn(f"target_delta={self.target_delta:g} is not below 1/sample_size={1 / sample_size:g}; "
+                          "such a delta allows releasing a whole record. Use a smaller delta.", stacklevel=2)
+        self.noise_multiplier = self._resolve_sigma(noise_multiplier, target_epsilon, epochs, steps)
+        self.model = model
+        self._discover(model)
+        owner = {n: n.rpartition(".")[0] for n in self._trainable}
+        groups = resolve_groups(clipping_style, list(self._trainable), owner)
+        self.clipping_style = clipping_style
+        self._groups = groups
+        group_of = {self._trainable[n]: k for k, g in enumerate(groups) for n in g}
+        self._clip_cfg = ClipConfig(mode=clipping_mode, clip_fn=self._clip_fn,
+                                    thresholds=[group_threshold(self.max_grad_norm, len(groups))] * len(groups),
+                                    group_of=group_of, mean_reduction=loss_reduction == "mean")
+        # Mutable state (all of it engine-owned):
+        self.steps = 0
+        self._summed: dict[nn.Parameter, torch.Tensor] = {}
+        self._pending: list[Record] = []
+        self._callback_queued = False
+        self._in_bookkeeping = False
+        self._handles: list[Any] = []
+        self._anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._detached_now: list[nn.Parameter] = []  # parameters inside a forward call right now
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------ construction helpers
+    def _resolve_sigma(self, noise_multiplier: float | None, target_epsilon: float | None,
+                       epochs: float | None, steps: int | None) -> float:
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier and target_epsilon "
+                             f"(got noise_multiplier={noise_multiplier!r}, target_epsilon={target_epsilon!r})")
+        if noise_multiplier is not None:
+            if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
+                    and noise_multiplier >= 0):
+                raise ValueError(f"noise_multiplier={noise_multiplier!r} must be a finite number >= 0")
+            if noise_multiplier == 0:
+                warnings.warn("noise_multiplier=0.0: gradients are clipped but not noised, so training is NOT "
+                              "differentially private (epsilon is infinite). Use this only to test clipping.",
+                              stacklevel=3)
+            return float(noise_multiplier)
+        if (epochs is None) == (steps is None):
+            raise ValueError("target_epsilon needs exactly one of epochs and steps to calibrate the noise "
+                             f"(got epochs={epochs!r}, steps={steps!r})")
+        sigma = accounting.get_noise_multiplier(target_epsilon, self.target_delta, self.sample_rate,
+                                                steps=steps, epochs=epochs, accountant=self.accountant.name)
+        logger.info("calibrated noise_multiplier=%.4f for epsilon=%g, delta=%g, q=%g (%s)", sigma, target_epsilon,
+                    self.target_delta, self.sample_rate, self.accountant.name)
+        return float(sigma)
+
+    def _discover(self, model: nn.Module) -> None:
+        """Build the tables: trainable parameters, the modules that own them, and their layer kinds.
+
+        Raises ValueError naming any trainable parameter that no supported layer covers.
+        """
+        self._trainable: dict[str, nn.Parameter] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self._trainable[name] = p
+        if not self._trainable:
+            raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
+        trainable_ids = {id(p) for p in self._trainable.values()}
+        name_of = {id(p): n for n, p in self._trainable.items()}
+        # (module name, module, kind, trainable attribute names)
+        self._hooked: list[tuple[str, nn.Module, LayerKind, frozenset[str]]] = []
+        self._param_of: dict[tuple[int, str], nn.Parameter] = {}
+        covered: set[int] = set()
+        for mname, module in model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+                owned = [name_of[id(p)] for p in module.parameters(recurse=False) if id(p) in trainable_ids]
+                raise ValueError(
+                    f"module {mname!r} ({type(module).__name__}"
+                    f"{', trainable parameters ' + ', '.join(map(repr, owned)) if owned else ''}) "
+                    "is in train mode: batch normalisation mixes the "
+                    "samples of a batch, so per-sample gradients (and the privacy guarantee) do not exist. "
+                    "Replace it with GroupNorm, or call .eval() on it and freeze its parameters.")
+            direct = [(a, p) for a, p in module.named_parameters(recurse=False) if id(p) in trainable_ids]
+            if not direct:
+                continue
+            kind = kind_for(module)
+            for attr, p in direct:
+                pname = name_of[id(p)]
+                if kind is None:
+                    raise ValueError(
+                        f"trainable parameter {pname!r} belongs to module {mname or '<root>'!r} of type "
+                        f"{type(module).__name__}, which fastdp cannot clip per sample. Supported layers: "
+                        f"{', '.join(supported_types())}. Freeze it (requires_grad_(False)) before building the "
+                        "engine, or build the module from supported layers.")
+                if attr not in ("weight", "bias"):
+                    raise ValueError(f"trainable parameter {pname!r} is an extra parameter {attr!r} on a "
+                                     f"{type(module).__name__}; fastdp cannot clip it. Freeze it.")
+            reason = kind.unsupported_reason(module)
+            if reason is not None:
+                raise ValueError(f"module {mname!r} ({type(module).__name__}) with trainable parameters cannot be "
+                                 f"trained privately: {reason}")
+            names = frozenset(a for a, _ in direct)
+            for attr, p in direct:
+                self._param_of[(id(module), attr)] = p
+                covered.add(id(p))
+            self._hooked.append((mname, module, kind, names))
+        missing = [n for n, p in self._trainable.items() if id(p) not in covered]
+        if missing:  # pragma: no cover - every parameter is owned by some module
+            raise ValueError(f"trainable parameters {missing} are not owned by any module")
+
+    # ------------------------------------------------------------------ attach / detach
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Start private training with ``optimizer``: install hooks, turn on ghost differentiation.
+
+        Every parameter the optimizer updates must be one of the engine's trainable parameters.
+        """
+        if self.optimizer is not None:
+            raise RuntimeError("this PrivacyEngine is already attached to an optimizer; call detach() first")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self._check_optimizer(optimizer)
+        self.optimizer = optimizer
+        capture_all = self.clipping_mode == "ghost"
+        for _, module, kind, names in self._hooked:
+            needs_act = capture_all or kind.needs_activation(module, names)
+            params = [self._param_of[(id(module), n)] for n in sorted(names)]
+            self._handles.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
+            hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
+        for name, p in self._trainable.items():
+            # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.
+            self._handles.append(p.register_hook(partial(self._outside_use, name)))
+        for mname, module in self.model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                self._handles.append(module.register_forward_pre_hook(partial(self._batchnorm_guard, mname)))
+        self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+        logger.info("attached: %d trainable tensors in %d hooked modules, mode %s, sigma=%g",
+                    len(self._trainable), len(self._hooked), self.clipping_mode, self.noise_multiplier)
+
+    def detach(self) -> None:
+        """Remove every hook and restore ``requires_grad``: model and optimizer are as before :meth:`attach`."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._restore_params()
+        self._pending.clear()
+        self._summed.clear()
+        self._anchors.clear()
+        self.optimizer = None
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        ours = {id(p) for p in self._trainable.values()}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in ours:
+                    raise ValueError(
+                        f"the optimizer's param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not "
+                        "a trainable parameter of the engine's model (frozen, or from another model); it would "
+                        "be updated without clipping or noise. Build the optimizer from the trainable parameters "
+                        "of this model only.")
+
+    # ------------------------------------------------------------------ hooks
+    @staticmethod
+    def _batchnorm_guard(mname: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if module.training and torch.is_grad_enabled():
+            raise RuntimeError(f"module {mname!r} ({type(module).__name__}) runs in train mode under a "
+                               "PrivacyEngine: batch statistics mix samples. Call .eval() on it.")
+
+    def _anchor(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, like.device)
+        if key not in self._anchors:
+            self._anchors[key] = torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
+        return self._anchors[key]
+
+    def _detach_params(self, module: nn.Module, args: tuple[Any, ...], *, params: list[nn.Parameter]) -> None:
+        """Ghost differentiation: during this module's forward its trainable parameters do not require grad,
+        so the graph has no edge to them and autograd never computes their (non-private) gradients."""
+        if self._in_bookkeeping:
+            return
+        for p in params:
+            if p.requires_grad:
+                p.requires_grad_(False)
+                self._detached_now.append(p)
+
+    def _restore_params(self) -> None:
+        for p in self._detached_now:
+            p.requires_grad_(True)
+        self._detached_now.clear()
+
+    def _outside_use(self, name: str, grad: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "
+            "(e.g. a weight read directly by another module, as in weight tying through F.linear). fastdp cannot "
+            "clip that use per sample. Tie weights through modules (assign the same nn.Parameter to both), or "
+            "freeze the parameter.")
+
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *,
+                      kind: LayerKind, names: frozenset[str], needs_act: bool) -> Any:
+        self._restore_params()  # always called, also when forward raised
+        if self._in_bookkeeping or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+            return None
+        activation = None
+        if needs_act:
+            inputs = args if args else tuple(kwargs.values())
+            activation = kind.capture(module, inputs)
+        rec = Record(module=module, kind=kind, names=names, activation=activation)
+        out = output
+        if not out.requires_grad:
+            # Nothing upstream requires grad (first layer; weights are detached by ghost differentiation):
+            # add a zero that does, so the backward pass reaches this layer's output.
+            out = out + self._anchor(out)
+        out.register_hook(partial(self._on_output_grad, rec))
+        self._pending.append(rec)
+        return out if out is not output else None
+
+    def _on_output_grad(self, rec: Record, grad: torch.Tensor) -> None:
+        if rec.grad_output is not None:
+            raise RuntimeError(
+                f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
+                "sample may contribute once per logical step. Do not call backward twice on one graph "
+                "(retain_graph=True) under a PrivacyEngine.")
+        rec.grad_output = grad.detach()
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        done = [r for r in self._pending if r.grad_output is not None]
+        self._pending = [r for r in self._pending if r.grad_output is None]
+        self._in_bookkeeping = True  # GhostClip's replay calls the modules again: no hooks for that
+        try:
+            sums = clipped_sums(done, self._param_of, self._clip_cfg)
+        finally:
+            self._in_bookkeeping = False
+        for p, s in sums.items():
+            acc = self._summed.get(p)
+            self._summed[p] = s if acc is None else acc + s
+
+    # ------------------------------------------------------------------ step
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # `args` starts with the optimizer itself (torch passes step's full positional arguments).
+        if len(args) > 1 or kwargs.get("closure") is not None:
+            raise RuntimeError("optimizer.step(closure) is not supported under a PrivacyEngine: call "
+                               "loss.backward() yourself, then optimizer.step()")
+        self._check_optimizer(optimizer)
+        self._pending.clear()  # forward calls that never got a backward pass
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self._trainable.values():
+            noise = gaussian_noise(p, std, self.noise_generator)
+            acc = self._summed.pop(p, None)
+            grad = noise if acc is None else acc.to(noise.dtype) + noise
+            p.grad = (grad / self.batch_size).to(p.dtype)
+        self._summed.clear()
+        self.steps += 1
+        if self.noise_multiplier > 0:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    # ------------------------------------------------------------------ reporting
+    def get_privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
+        """Privacy spent by the steps taken so far.
+
+        Returns:
+            ``{"epsilon": float, "delta": float, "accountant": str, "steps": int}``; epsilon is ``inf`` when
+            steps were taken with ``noise_multiplier=0``.
+        """
+        delta = self.target_delta if delta is None else delta
+        if self.steps == 0:
+            eps = 0.0
+        elif self.noise_multiplier == 0:
+            eps = math.inf
+        else:
+            eps = float(self.accountant.get_epsilon(delta))
+        return {"epsilon": eps, "delta": delta, "accountant": self.accountant.name, "steps": self.steps}
+
+    @property
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Name -> parameter, the engine's trainable set (a copy)."""
+        return dict(self._trainable)
+
+    def __repr__(self) -> str:
+        return (f"PrivacyEngine(batch_size={self.batch_size}, sample_size={self.sample_size}, "
+                f"noise_multiplier={self.noise_multiplier:.4g}, max_grad_norm={self.max_grad_norm:g}, "
+                f"clipping_mode={self.clipping_mode!r}, clipping_fn={self.clipping_fn!r}, "
+                f"accountant={self.accountant.name!r}, steps={self.steps})")
+
+
+__all__ = ["PrivacyEngine", "default_delta", "accumulation_dtype"]

@@ -1,0 +1,47 @@
+"""Shared math of layers whose weight gradient is a sum of outer products (Linear, Conv).
+
+Canonical shapes, with ``B`` samples, ``g`` groups (1 for Linear and ungrouped Conv), ``T`` positions,
+``d`` inputs and ``p`` outputs per group:
+
+* ``A``: activations ``(B, g, T, d)``;
+* ``G``: output gradients ``(B, g, T, p)``.
+
+The per-sample weight gradient of group ``j`` is ``g_i[j] = G_i[j]^T A_i[j]`` (``p x d``), so
+
+* instantiation: ``einsum('bgtp,bgtd->bgpd')``;
+* ghost norm (Li et al. 2021; Bu et al. 2023): ``||g_i||^2 = sum_j <A_i[j] A_i[j]^T, G_i[j] G_i[j]^T>`` from two
+  ``T x T`` Gram matrices per sample and group, never forming ``g_i``;
+* book-keeping clipped sum: ``sum_i c_i g_i = einsum('bgtp,bgtd->gpd', c * G, A)``, one contraction.
+
+The cost model picks the ghost norm when ``2 T^2 < p d`` (two Gram matrices against one per-sample gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
+    """``2 T^2 < p d`` for canonical ``A`` ``(B,g,T,d)`` and ``G`` ``(B,g,T,p)``."""
+    T, d, p = A.shape[2], A.shape[3], G.shape[3]
+    return 2 * T * T < p * d
+
+
+def per_sample_grad(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Per-sample weight gradients ``(B, g, p, d)``."""
+    return torch.einsum("bgtp,bgtd->bgpd", G, A)
+
+
+def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices."""
+    if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
+        return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
+    aat = torch.matmul(A, A.transpose(-1, -2))
+    ggt = torch.matmul(G, G.transpose(-1, -2))
+    return (aat * ggt).sum(dim=(1, 2, 3))
+
+
+def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``sum_i coef_i G_i^T A_i``, shape ``(g, p, d)``: one contraction over samples and positions."""
+    scaled = G * coef.to(G.dtype).view(-1, 1, 1, 1)
+    return torch.einsum("bgtp,bgtd->gpd", scaled, A)

@@ -1,0 +1,100 @@
+"""The interface every supported layer kind implements.
+
+A *layer kind* holds the per-sample math of one family of modules. The engine calls it with
+
+* ``activation``: what :meth:`LayerKind.capture` kept from the forward pass (the module's input, detached), or
+  ``None`` when no trainable parameter of the module needs it (bias-only training, DP-BiTFiT);
+* ``grad_output``: the gradient of the loss with respect to the module's output, shape ``(B, ...)``, where ``B`` is
+  the physical batch size. It is the gradient of the *summed* per-sample losses up to one global scale that the
+  engine applies afterwards, so row ``i`` depends on sample ``i`` only.
+
+From these, per parameter ``name`` of the module, a kind gives
+
+* :meth:`per_sample_grad`: the per-sample gradients ``g_i``, shape ``(B, *param.shape)`` (instantiation);
+* :meth:`ghost_norm_sq`: ``||g_i||^2`` without forming ``g_i`` (only for names in :meth:`ghost_names`);
+* :meth:`clipped_sum`: ``sum_i c_i g_i`` for per-sample factors ``c`` of shape ``(B,)`` -- by default from
+  :meth:`per_sample_grad`, overridden by kinds that have a cheaper contraction (book-keeping).
+
+Kinds first turn ``(activation, grad_output)`` into a kind-specific context with :meth:`prepare`, computed once per
+recorded call and shared by all three operations.
+
+Adding a layer type means writing one subclass in its own file and decorating it with
+:func:`fastdp.layers.register`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+#: dtypes computed in float32 for norms and sums (mixed precision).
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-sample norms and clipped sums are computed in: at least float32."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def to_accumulation(t: torch.Tensor) -> torch.Tensor:
+    """Cast a floating tensor to :func:`accumulation_dtype`; integer tensors (token ids) are never cast."""
+    if t.is_floating_point() and t.dtype in _LOW_PRECISION:
+        return t.float()
+    return t
+
+
+class LayerKind:
+    """Per-sample gradient math for one family of modules (see the module docstring)."""
+
+    #: module classes this kind handles; subclasses of them are accepted only if they keep the same ``forward``.
+    module_types: ClassVar[tuple[type[nn.Module], ...]] = ()
+
+    def unsupported_reason(self, module: nn.Module) -> str | None:
+        """Why this module's configuration cannot be trained privately, or ``None`` if it can."""
+        return None
+
+    def needs_activation(self, module: nn.Module, trainable: frozenset[str]) -> bool:
+        """Whether the input must be kept to compute the gradients of the ``trainable`` parameter names."""
+        return bool(trainable - {"bias"})
+
+    def capture(self, module: nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
+        """The activation to keep from the forward call ``module(*args)`` (detached, never cast)."""
+        x = args[0]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} got a non-tensor input of type {type(x).__name__}")
+        return x.detach()
+
+    def batch_size(self, activation: torch.Tensor | None, grad_output: torch.Tensor) -> int:
+        """The per-sample dimension of a recorded call."""
+        return grad_output.shape[0]
+
+    def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
+        """Kind-specific canonical form of a recorded call, shared by the operations below."""
+        raise NotImplementedError
+
+    def ghost_names(self, module: nn.Module) -> frozenset[str]:
+        """Parameter names that have a ghost norm."""
+        return frozenset()
+
+    def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
+        """Cost model: ``True`` when the ghost norm is cheaper than instantiating (2 T^2 < p d)."""
+        return False
+
+    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+        """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``."""
+        raise NotImplementedError
+
+    def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+        """Per-sample gradients ``g_i`` of parameter ``name``, shape ``(B, *param.shape)``."""
+        raise NotImplementedError
+
+    def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
+        """``sum_i coef_i g_i``, shape ``param.shape``; ``coef`` has shape ``(B,)``."""
+        psg = self.per_sample_grad(module, ctx, name)
+        return torch.einsum("b,b...->...", coef.to(psg.dtype), psg)
+
+    def replay(self, module: nn.Module, activation: torch.Tensor) -> torch.Tensor:
+        """Run the module's forward again on a kept activation (used by GhostClip's second backward)."""
+        return module(activation)
