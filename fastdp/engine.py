@@ -7,9 +7,10 @@ How one logical step works (see docs/engine.md):
 2. **Backward.** Each hooked module's trainable parameters stop requiring grad for the duration of its own
    forward call (*ghost differentiation*), so the graph has no edge to them: the user's ``loss.backward()``
    computes only the gradients that flow between layers, never the non-private weight gradients, and
-   ``requires_grad`` reads as the user set it at all other times. The tensor hooks capture each layer's output gradient. When the backward pass
-   is complete, :func:`fastdp.bookkeeping.clipped_sums` turns the records into ``sum_i C_i g_i`` per parameter
-   and adds it to the engine's accumulator (several backward passes before one step accumulate).
+   ``requires_grad`` reads as the user set it at all other times. The tensor hooks capture each layer's output
+   gradient. When the backward pass is complete, :func:`fastdp.bookkeeping.clipped_sums` turns the records into
+   ``sum_i C_i g_i`` per parameter and adds it to the engine's accumulator (several backward passes before one
+   step accumulate).
 3. **Step.** A step pre-hook on the optimizer writes ``p.grad = (sum_i C_i g_i + sigma R xi) / batch_size`` for
    every trainable parameter, counts the step in the accountant, and lets the optimizer update.
 

@@ -36,12 +36,18 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
         return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
+    B = A.shape[0]
     aat = torch.matmul(A, A.transpose(-1, -2))
     ggt = torch.matmul(G, G.transpose(-1, -2))
-    return (aat * ggt).sum(dim=(1, 2, 3))
+    # <aat, ggt> per sample as one batched dot product (no elementwise temporary)
+    n = aat.shape[1] * aat.shape[2] * aat.shape[3]  # explicit: B may be 0 (empty batch)
+    return torch.bmm(aat.reshape(B, 1, n), ggt.reshape(B, n, 1)).reshape(B)
 
 
 def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """``sum_i coef_i G_i^T A_i``, shape ``(g, p, d)``: one contraction over samples and positions."""
+    B, g, T, p = G.shape
     scaled = G * coef.to(G.dtype).view(-1, 1, 1, 1)
+    if g == 1:  # one matmul (p, B T) @ (B T, d) on views, like autograd's own weight gradient
+        return torch.mm(scaled.reshape(B * T, p).t(), A.reshape(B * T, A.shape[-1])).unsqueeze(0)
     return torch.einsum("bgtp,bgtd->gpd", scaled, A)

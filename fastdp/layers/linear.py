@@ -23,7 +23,8 @@ class LinearKind(LayerKind):
     def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
         B, p = grad_output.shape[0], grad_output.shape[-1]
         if grad_output.dim() < 2:
-            raise ValueError(f"{type(module).__name__} input has no batch dimension (output {tuple(grad_output.shape)})")
+            raise ValueError(
+                f"{type(module).__name__} input has no batch dimension (output {tuple(grad_output.shape)})")
         T = math.prod(grad_output.shape[1:-1])  # explicit: B may be 0 (empty batch)
         G = to_accumulation(grad_output).reshape(B, 1, T, p)
         A = None
