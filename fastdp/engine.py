@@ -35,7 +35,7 @@ from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, Record, clipped_sums
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
 from fastdp.layers import kind_for, supported_types
 from fastdp.layers.base import LayerKind, accumulation_dtype
-from fastdp.noise import gaussian_noise
+from fastdp.noise import noisy_mean
 
 logger = logging.getLogger(__name__)
 
@@ -380,10 +380,7 @@ class PrivacyEngine:
         self._pending.clear()  # forward calls that never got a backward pass
         std = self.noise_multiplier * self.max_grad_norm
         for p in self._trainable.values():
-            noise = gaussian_noise(p, std, self.noise_generator)
-            acc = self._summed.pop(p, None)
-            grad = noise if acc is None else acc.to(noise.dtype) + noise
-            p.grad = (grad / self.batch_size).to(p.dtype)
+            p.grad = noisy_mean(p, self._summed.pop(p, None), std, self.batch_size, self.noise_generator)
         self._summed.clear()
         self.steps += 1
         if self.noise_multiplier > 0:

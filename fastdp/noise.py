@@ -30,3 +30,16 @@ def gaussian_noise(param: torch.Tensor, std: float, generator: torch.Generator |
     if std == 0.0:
         return out.zero_()
     return out.normal_(0.0, std, generator=generator)
+
+
+def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float, batch_size: int,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The released gradient ``(clipped_sum + std * xi) / batch_size``, cast to ``param``'s dtype.
+
+    The noise is drawn already divided by ``batch_size`` and the clipped sum added in one fused pass.
+    ``clipped_sum=None`` means an empty batch (noise only).
+    """
+    grad = gaussian_noise(param, std / batch_size, generator)
+    if clipped_sum is not None:
+        grad.add_(clipped_sum.to(grad.dtype), alpha=1.0 / batch_size)
+    return grad.to(param.dtype)

@@ -47,7 +47,11 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
 def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """``sum_i coef_i G_i^T A_i``, shape ``(g, p, d)``: one contraction over samples and positions."""
     B, g, T, p = G.shape
-    scaled = G * coef.to(G.dtype).view(-1, 1, 1, 1)
+    c = coef.to(G.dtype).view(-1, 1, 1, 1)
+    if A.numel() < G.numel():  # scale whichever operand is smaller
+        A = A * c
+    else:
+        G = G * c
     if g == 1:  # one matmul (p, B T) @ (B T, d) on views, like autograd's own weight gradient
-        return torch.mm(scaled.reshape(B * T, p).t(), A.reshape(B * T, A.shape[-1])).unsqueeze(0)
-    return torch.einsum("bgtp,bgtd->gpd", scaled, A)
+        return torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, A.shape[-1])).unsqueeze(0)
+    return torch.einsum("bgtp,bgtd->gpd", G, A)
