@@ -34,7 +34,7 @@ from fastdp import accounting
 from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, Record, clipped_sums
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
 from fastdp.layers import kind_for, supported_types
-from fastdp.layers.base import LayerKind, accumulation_dtype
+from fastdp.layers.base import LayerKind
 from fastdp.noise import noisy_mean
 
 logger = logging.getLogger(__name__)
@@ -415,4 +415,4 @@ class PrivacyEngine:
                 f"accountant={self.accountant.name!r}, steps={self.steps})")
 
 
-__all__ = ["PrivacyEngine", "default_delta", "accumulation_dtype"]
+__all__ = ["PrivacyEngine", "default_delta"]

@@ -18,7 +18,12 @@ The cost model picks the ghost norm when ``2 T^2 < p d`` (two Gram matrices agai
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
+
+from fastdp.layers.base import LayerKind
 
 
 def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
@@ -55,3 +60,30 @@ def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor) -> torch.T
     if g == 1:  # one matmul (p, B T) @ (B T, d) on views, like autograd's own weight gradient
         return torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, A.shape[-1])).unsqueeze(0)
     return torch.einsum("bgtp,bgtd->gpd", G, A)
+
+
+class OuterProductKind(LayerKind):
+    """A layer kind whose :meth:`prepare` returns the canonical ``(A, G)`` above (``A`` is ``None`` when only the
+    bias trains). Weight: ghost norm, instantiation or book-keeping contraction; bias ``(g * p,)``: ``G`` summed
+    over positions."""
+
+    def ghost_names(self, module: nn.Module) -> frozenset[str]:
+        return frozenset({"weight"})
+
+    def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
+        return prefers_ghost(*ctx)
+
+    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+        return ghost_norm_sq(*ctx)
+
+    def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+        A, G = ctx
+        if name == "bias":
+            return G.sum(dim=2).flatten(1)
+        return per_sample_grad(A, G).reshape(G.shape[0], *module.weight.shape)
+
+    def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
+        A, G = ctx
+        if name == "bias":
+            return torch.einsum("b,bp->p", coef.to(G.dtype), G.sum(dim=2).flatten(1))
+        return clipped_sum(A, G, coef).reshape(module.weight.shape)

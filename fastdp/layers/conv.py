@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.layers import _matmul, register
-from fastdp.layers.base import LayerKind, to_accumulation
+from fastdp.layers.base import to_accumulation
 
 
 def unfold_patches(x: torch.Tensor, kernel: tuple[int, ...], dilation: tuple[int, ...],
@@ -41,7 +41,7 @@ def unfold_patches(x: torch.Tensor, kernel: tuple[int, ...], dilation: tuple[int
 
 
 @register
-class ConvKind(LayerKind):
+class ConvKind(_matmul.OuterProductKind):
     module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
     def unsupported_reason(self, module: nn.Module) -> str | None:
@@ -69,25 +69,3 @@ class ConvKind(LayerKind):
             U = unfold_patches(x, module.kernel_size, module.dilation, module.stride)  # (B, T, C_in*K)
             A = U.reshape(B, T, g, U.shape[2] // g).transpose(1, 2)  # (B, g, T, C_in/g*K)
         return A, G
-
-    def ghost_names(self, module: nn.Module) -> frozenset[str]:
-        return frozenset({"weight"})
-
-    def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
-        return _matmul.prefers_ghost(*ctx)
-
-    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
-        return _matmul.ghost_norm_sq(*ctx)
-
-    def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
-        A, G = ctx
-        if name == "bias":
-            return G.sum(dim=2).flatten(1)
-        psg = _matmul.per_sample_grad(A, G)  # (B, g, p, d)
-        return psg.reshape(G.shape[0], *module.weight.shape)
-
-    def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
-        A, G = ctx
-        if name == "bias":
-            return torch.einsum("b,bp->p", coef.to(G.dtype), G.sum(dim=2).flatten(1))
-        return _matmul.clipped_sum(A, G, coef).reshape(module.weight.shape)

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from fastdp.layers import _matmul, register
-from fastdp.layers.base import LayerKind, to_accumulation
+from fastdp.layers.base import to_accumulation
 
 
 @register
-class LinearKind(LayerKind):
+class LinearKind(_matmul.OuterProductKind):
     module_types = (nn.Linear,)
 
     def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
@@ -31,24 +31,3 @@ class LinearKind(LayerKind):
         if activation is not None:
             A = to_accumulation(activation).reshape(B, 1, T, activation.shape[-1])
         return A, G
-
-    def ghost_names(self, module: nn.Module) -> frozenset[str]:
-        return frozenset({"weight"})
-
-    def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
-        return _matmul.prefers_ghost(*ctx)
-
-    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
-        return _matmul.ghost_norm_sq(*ctx)
-
-    def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
-        A, G = ctx
-        if name == "bias":
-            return G.sum(dim=(1, 2))
-        return _matmul.per_sample_grad(A, G)[:, 0]
-
-    def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
-        A, G = ctx
-        if name == "bias":
-            return torch.einsum("b,bp->p", coef.to(G.dtype), G.sum(dim=(1, 2)))
-        return _matmul.clipped_sum(A, G, coef)[0]
