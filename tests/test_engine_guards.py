@@ -1,0 +1,145 @@
+"""The engine's run-time guards: each misuse that would break per-sample clipping raises a clear error."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdp import PrivacyEngine
+
+D = torch.float64
+
+
+def _engine(model: nn.Module, **kw) -> PrivacyEngine:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=0.0, accountant="rdp", **kw)
+
+
+def _attached(model: nn.Module, **kw):
+    engine = _engine(model, **kw)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine.attach(opt)
+    return engine, opt
+
+
+class OutsideUse(nn.Module):
+    """A trainable Linear weight also read directly by the forward (outside the Linear's own call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.lin(x), self.lin.weight)
+
+
+def test_weight_used_outside_its_module_is_refused_at_backward():
+    model = OutsideUse().to(D)
+    engine, opt = _attached(model)
+    loss = model(torch.randn(4, 3, dtype=D)).sum()
+    with pytest.raises(RuntimeError, match="lin.weight"):
+        loss.backward()
+    engine.detach()
+
+
+def test_second_backward_through_one_graph_is_refused():
+    model = nn.Sequential(nn.Linear(3, 2)).to(D)
+    engine, opt = _attached(model)
+    loss = model(torch.randn(4, 3, dtype=D)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+def test_step_with_closure_is_refused():
+    model = nn.Sequential(nn.Linear(3, 2)).to(D)
+    engine, opt = _attached(model)
+
+    def closure():
+        loss = model(torch.randn(4, 3, dtype=D)).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(closure)
+
+
+class Broadcast(nn.Module):
+    """Position embeddings computed once for the batch (batch dimension 1) and broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(5, 3), nn.Embedding(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)  # (1, T): not per sample
+        return self.tok(ids) + self.pos(pos)
+
+
+def test_input_broadcast_over_the_batch_is_refused():
+    model = Broadcast().to(D)
+    engine, opt = _attached(model)
+    out = model(torch.randint(0, 5, (4, 6)))
+    with pytest.raises(RuntimeError, match="different batch sizes"):
+        out.sum().backward()
+
+
+def test_batchnorm_switched_to_train_after_construction_is_refused():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).to(D)
+    model[1].eval().requires_grad_(False)
+    engine, opt = _attached(model)
+    model.train()
+    with pytest.raises(RuntimeError, match="BatchNorm2d"):
+        model(torch.randn(4, 1, 5, 5, dtype=D))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_norm": 1.0}, "max_norm"),
+    ({"scale_grad_by_freq": True}, "scale_grad_by_freq"),
+    ({"sparse": True}, "sparse"),
+])
+def test_embedding_options_that_break_per_sample_gradients_are_refused(kwargs, match):
+    model = nn.Sequential(nn.Embedding(5, 3, **kwargs))
+    with pytest.raises(ValueError, match=match):
+        _engine(model)
+
+
+def test_instance_norm_tracking_running_stats_in_train_mode_is_refused():
+    model = nn.Sequential(nn.InstanceNorm1d(3, affine=True, track_running_stats=True))
+    with pytest.raises(ValueError, match="track_running_stats"):
+        _engine(model)
+    model.eval()  # in eval mode it normalises with the frozen running statistics: per sample
+    _engine(model)
+
+
+def test_attach_twice_is_refused():
+    model = nn.Sequential(nn.Linear(3, 2))
+    engine, opt = _attached(model)
+    with pytest.raises(RuntimeError, match="already attached"):
+        engine.attach(opt)
+
+
+def test_requires_grad_reads_as_set_by_the_user_while_attached():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    model[0].bias.requires_grad_(False)
+    flags = [p.requires_grad for p in model.parameters()]
+    engine, opt = _attached(model)
+    model(torch.randn(4, 3)).sum().backward()
+    assert [p.requires_grad for p in model.parameters()] == flags
+    # ghost differentiation: autograd never filled .grad of the trainable weights
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    assert all((p.grad is not None) == f for p, f in zip(model.parameters(), flags, strict=True))
+
+
+def test_forward_that_raises_leaves_requires_grad_intact():
+    model = nn.Sequential(nn.Linear(3, 2))
+    engine, opt = _attached(model)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(4, 5))  # wrong input size: the Linear raises inside its forward
+    assert all(p.requires_grad for p in model.parameters())
