@@ -31,21 +31,35 @@ from torch import nn
 from torch.func import functional_call
 
 from fastdp.clipping import ClipFn
-from fastdp.layers.base import LayerKind, accumulation_dtype
+from fastdp.layers import _factored
+from fastdp.layers.base import LayerKind, accumulation_dtype, replay_autocast
 
 CLIPPING_MODES = ("BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate")
 
 
 @dataclass(eq=False)
 class Record:
-    """One call of a hooked module: what the forward kept and what the backward delivered."""
+    """One call of a hooked module: what the forward kept and what the backward delivered.
+
+    ``grads`` holds one entry per hooked output (layer kinds have one output; generic owners may have several).
+    """
 
     module: nn.Module
     kind: LayerKind
-    names: frozenset[str]  # the module's trainable parameter names
-    activation: torch.Tensor | None
-    grad_output: torch.Tensor | None = None
+    names: frozenset[str]  # the module's trainable parameter names (paths relative to the module)
+    activation: Any
+    grads: list[torch.Tensor | None] = field(default_factory=lambda: [None])
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
     ctx: Any = field(default=None, repr=False)
+
+    @property
+    def grad_output(self) -> torch.Tensor | None:
+        return self.grads[0]
+
+    @property
+    def reached(self) -> bool:
+        """Whether the backward pass delivered a gradient to any of the call's outputs."""
+        return any(g is not None for g in self.grads)
 
 
 @dataclass
@@ -66,9 +80,9 @@ def _batch_size(records: list[Record]) -> int:
         detail = ", ".join(f"{type(r.module).__name__}: {sizes[id(r)]}" for r in records)
         raise RuntimeError(
             "hooked layers saw different batch sizes in one backward pass "
-            f"({detail}). A layer whose input is shared across the batch (batch dimension 1, broadcast) "
-            "cannot be attributed to samples; give its input the batch dimension (e.g. expand position ids to "
-            "(B, T)).")
+            f"({detail}). fastdp needs the batch dimension first in every layer's input; an input without it "
+            "(shared by all samples) must have size 1 there (it is then broadcast). A layer whose input folds "
+            "the batch into another dimension, or has no batch dimension, cannot be attributed to samples.")
     return distinct.pop()
 
 
@@ -80,10 +94,43 @@ def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
     return torch.einsum("b,b...->...", coef.to(psg.dtype), psg)
 
 
+def _add(out: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, value: torch.Tensor) -> None:
+    out[param] = out[param] + value if param in out else value
+
+
+def _shared_ghost_norm_sq(plist: list[tuple[Record, str]], mode: str) -> torch.Tensor | None:
+    """``||sum_u g_i^u||^2`` of a parameter used by several calls, by Gram matrices (``None``: instantiate).
+
+    ``sum_u ||g^u||^2 + 2 sum_{u<v} <g^u, g^v>``, every term in its ghost form (:mod:`fastdp.layers._factored`).
+    Chosen in the ghost modes and, in the mixed modes, when ``2 (sum_u T_u)^2 < g m n`` (the single-layer rule with
+    all uses' positions together).
+    """
+    if mode == "instantiate":
+        return None
+    facs = [r.kind.factors(r.module, r.ctx, n) for r, n in plist]
+    if any(f is None for f in facs) or len({f.layout for f in facs}) != 1:
+        return None
+    g, m, n = facs[0].layout
+    positions = sum(f.positions for f in facs)
+    if mode in ("BK-MixOpt", "BK-MixGhostClip") and not 2 * positions * positions < g * m * n:
+        return None
+    dtype = next(t.dtype for f in facs for t in (f.left, f.right) if isinstance(t, torch.Tensor))
+    total = None
+    for u, (fu, (rec, name)) in enumerate(zip(facs, plist, strict=True)):
+        if name in rec.kind.ghost_names(rec.module):
+            term = rec.kind.ghost_norm_sq(rec.module, rec.ctx, name)
+        else:
+            term = _factored.inner(fu, fu, dtype)
+        for fv in facs[u + 1:]:
+            term = term + 2.0 * _factored.inner(fu, fv, dtype)
+        total = term if total is None else total + term
+    return total
+
+
 def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str, torch.Tensor]:
     """GhostClip's second backward, layer-local: gradients of ``sum_i coef_i <G_i, out_i>`` w.r.t. ``names``."""
     module = rec.module
-    with torch.enable_grad():
+    with torch.enable_grad(), replay_autocast(rec.autocast):
         leaves = {n: getattr(module, n).detach().requires_grad_(True) for n in names}
         out = functional_call(module, leaves, (rec.activation,))
         g = rec.grad_output
@@ -120,6 +167,10 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
     kept: dict[nn.Parameter, torch.Tensor] = {}  # instantiated per-sample gradients kept for step 3
     for param, plist in uses.items():
         if len(plist) > 1:  # shared parameter: norm of the per-sample sum over uses
+            sq = _shared_ghost_norm_sq(plist, mode)
+            if sq is not None:
+                norm_sq[param] = sq
+                continue
             total = sum(r.kind.per_sample_grad(r.module, r.ctx, n) for r, n in plist)
             norm_sq[param] = _norm_sq(total)
             kept[param] = total
@@ -133,7 +184,7 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
         else:
             psg = kind.per_sample_grad(module, rec.ctx, name)
             norm_sq[param] = _norm_sq(psg)
-            if mode in ("BK-MixOpt", "instantiate"):
+            if mode in ("BK-MixOpt", "instantiate") or not kind.replayable:
                 kept[param] = psg
 
     # Step 2: per-group norms and factors.
@@ -154,18 +205,18 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
         if param in kept:
             out[param] = _weighted_sum(coef, kept[param])
         elif mode == "ghost":
-            rec, name = plist[0]
-            replay.setdefault(rec, []).append(name)
-        else:
-            rec, name = plist[0]
-            out[param] = rec.kind.clipped_sum(rec.module, rec.ctx, name, coef)
+            for rec, name in plist:
+                replay.setdefault(rec, []).append(name)
+        else:  # book-keeping: one contraction per use, summed over uses
+            for rec, name in plist:
+                _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, coef))
     for rec, names in replay.items():
         by_group: dict[int, list[str]] = {}
         for n in names:
             by_group.setdefault(cfg.group_of[param_of[(id(rec.module), n)]], []).append(n)
         for k, group_names in by_group.items():
             for n, g in _replay_grads(rec, group_names, coefs[k]).items():
-                out[param_of[(id(rec.module), n)]] = g
+                _add(out, param_of[(id(rec.module), n)], g)
     for rec in records:
         rec.ctx = None
     return {p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastdp import accounting
 from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, Record, clipped_sums
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
-from fastdp.layers import kind_for, supported_types
-from fastdp.layers.base import LayerKind
+from fastdp.layers import generic, kind_for
+from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class PrivacyEngine:
 
     Args:
         model: the model; its parameters with ``requires_grad=True`` now are the trainable set. Every one must
-            belong to a supported layer (``fastdp.layers.supported_types()``), otherwise the constructor raises.
+            belong to a supported layer (``fastdp.layers.supported_types()``) or take the exact generic path
+            (:mod:`fastdp.layers.generic`); what cannot be trained privately is refused, naming the parameter.
         batch_size: the expected logical batch size ``B``; the sample rate is ``q = B / sample_size``.
         sample_size: the number of examples in the private data set.
         epochs, steps: the planned training length, needed only to calibrate ``noise_multiplier`` from
@@ -143,15 +145,9 @@ class PrivacyEngine:
                           "such a delta allows releasing a whole record. Use a smaller delta.", stacklevel=2)
         self.noise_multiplier = self._resolve_sigma(noise_multiplier, target_epsilon, epochs, steps)
         self.model = model
-        self._discover(model)
-        owner = {n: n.rpartition(".")[0] for n in self._trainable}
-        groups = resolve_groups(clipping_style, list(self._trainable), owner)
         self.clipping_style = clipping_style
-        self._groups = groups
-        group_of = {self._trainable[n]: k for k, g in enumerate(groups) for n in g}
-        self._clip_cfg = ClipConfig(mode=clipping_mode, clip_fn=self._clip_fn,
-                                    thresholds=[group_threshold(self.max_grad_norm, len(groups))] * len(groups),
-                                    group_of=group_of, mean_reduction=loss_reduction == "mean")
+        self._discover(model)
+        self._configure_groups()
         # Mutable state (all of it engine-owned):
         self.steps = 0
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
@@ -160,8 +156,19 @@ class PrivacyEngine:
         self._in_bookkeeping = False
         self._handles: list[Any] = []
         self._anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._detached_now: list[nn.Parameter] = []  # parameters inside a forward call right now
+        # parameters detached by the forward calls in progress, one list per call (calls nest like a stack)
+        self._detached_now: list[list[nn.Parameter]] = []
+        self._forward_batch: list[int | None] = []  # batch size of the model's forward calls in progress
         self.optimizer: torch.optim.Optimizer | None = None
+
+    def _configure_groups(self) -> None:
+        owner = {n: n.rpartition(".")[0] for n in self._trainable}
+        groups = resolve_groups(self.clipping_style, list(self._trainable), owner)
+        self._groups = groups
+        group_of = {self._trainable[n]: k for k, g in enumerate(groups) for n in g}
+        self._clip_cfg = ClipConfig(mode=self.clipping_mode, clip_fn=self._clip_fn,
+                                    thresholds=[group_threshold(self.max_grad_norm, len(groups))] * len(groups),
+                                    group_of=group_of, mean_reduction=self.loss_reduction == "mean")
 
     # ------------------------------------------------------------------ construction helpers
     def _resolve_sigma(self, noise_multiplier: float | None, target_epsilon: float | None,
@@ -188,9 +195,12 @@ class PrivacyEngine:
         return float(sigma)
 
     def _discover(self, model: nn.Module) -> None:
-        """Build the tables: trainable parameters, the modules that own them, and their layer kinds.
+        """Build the tables: trainable parameters, the modules that own them, and how each is clipped.
 
-        Raises ValueError naming any trainable parameter that no supported layer covers.
+        A module whose trainable parameters a layer kind covers is hooked with that kind; any other module with
+        trainable parameters (raw ``nn.Parameter`` s, unsupported layers, custom modules) is an *owner* on the exact
+        generic path (:mod:`fastdp.layers.generic`). Raises ValueError naming a parameter that cannot be trained
+        privately (BatchNorm in train mode, Embedding with max_norm, ...).
         """
         self._trainable: dict[str, nn.Parameter] = {}
         for name, p in model.named_parameters():
@@ -200,43 +210,56 @@ class PrivacyEngine:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
         trainable_ids = {id(p) for p in self._trainable.values()}
         name_of = {id(p): n for n, p in self._trainable.items()}
-        # (module name, module, kind, trainable attribute names)
+        # (module name, module, kind, trainable parameter paths relative to the module)
         self._hooked: list[tuple[str, nn.Module, LayerKind, frozenset[str]]] = []
         self._param_of: dict[tuple[int, str], nn.Parameter] = {}
         covered: set[int] = set()
+        in_subtree: set[int] = set()  # parameters owned by an ancestor's generic entry
         for mname, module in model.named_modules():
+            label = mname or "<root>"
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
                 owned = [name_of[id(p)] for p in module.parameters(recurse=False) if id(p) in trainable_ids]
                 raise ValueError(
-                    f"module {mname!r} ({type(module).__name__}"
+                    f"module {label!r} ({type(module).__name__}"
                     f"{', trainable parameters ' + ', '.join(map(repr, owned)) if owned else ''}) "
                     "is in train mode: batch normalisation mixes the "
                     "samples of a batch, so per-sample gradients (and the privacy guarantee) do not exist. "
-                    "Replace it with GroupNorm, or call .eval() on it and freeze its parameters.")
-            direct = [(a, p) for a, p in module.named_parameters(recurse=False) if id(p) in trainable_ids]
-            if not direct:
-                continue
-            kind = kind_for(module)
-            for attr, p in direct:
-                pname = name_of[id(p)]
-                if kind is None:
-                    raise ValueError(
-                        f"trainable parameter {pname!r} belongs to module {mname or '<root>'!r} of type "
-                        f"{type(module).__name__}, which fastdp cannot clip per sample. Supported layers: "
-                        f"{', '.join(supported_types())}. Freeze it (requires_grad_(False)) before building the "
-                        "engine, or build the module from supported layers.")
-                if attr not in ("weight", "bias"):
-                    raise ValueError(f"trainable parameter {pname!r} is an extra parameter {attr!r} on a "
-                                     f"{type(module).__name__}; fastdp cannot clip it. Freeze it.")
-            reason = kind.unsupported_reason(module)
-            if reason is not None:
-                raise ValueError(f"module {mname!r} ({type(module).__name__}) with trainable parameters cannot be "
-                                 f"trained privately: {reason}")
-            names = frozenset(a for a, _ in direct)
-            for attr, p in direct:
-                self._param_of[(id(module), attr)] = p
-                covered.add(id(p))
-            self._hooked.append((mname, module, kind, names))
+                    "Replace it with GroupNorm (fastdp.validate.fix), or call .eval() on it and freeze its "
+                    "parameters.")
+            entries: list[tuple[LayerKind, list[tuple[str, nn.Parameter]]]] = []
+            sub = generic.subtree_owner(module)
+            if sub:
+                owned_sub = [(rel, module.get_parameter(rel)) for rel in sub]
+                owned_sub = [(rel, p) for rel, p in owned_sub if id(p) in trainable_ids and id(p) not in in_subtree]
+                if owned_sub:
+                    entries.append((generic.GENERIC, owned_sub))
+                    in_subtree.update(id(p) for _, p in owned_sub)
+            direct = [(a, p) for a, p in module.named_parameters(recurse=False)
+                      if id(p) in trainable_ids and id(p) not in in_subtree]
+            if direct:
+                kind = kind_for(module)
+                if kind is not None and all(a in ("weight", "bias") for a, _ in direct):
+                    reason = kind.unsupported_reason(module)
+                    if reason is not None:
+                        raise ValueError(f"module {label!r} ({type(module).__name__}) with trainable parameters "
+                                         f"{[name_of[id(p)] for _, p in direct]} cannot be trained privately: "
+                                         f"{reason}")
+                    entries.append((kind, direct))
+                else:
+                    entries.append((generic.GENERIC, direct))
+            for kind, plist in entries:
+                if kind is generic.GENERIC:
+                    reason = generic.unsupported_reason(module)
+                    if reason is not None:
+                        raise ValueError(f"module {label!r} ({type(module).__name__}) with trainable parameters "
+                                         f"{[name_of[id(p)] for _, p in plist]} cannot be trained privately: "
+                                         f"{reason}")
+                    logger.info("module %r (%s): parameters %s on the generic per-sample path", label,
+                                type(module).__name__, [n for n, _ in plist])
+                for rel, p in plist:
+                    self._param_of[(id(module), rel)] = p
+                    covered.add(id(p))
+                self._hooked.append((mname, module, kind, frozenset(rel for rel, _ in plist)))
         missing = [n for n, p in self._trainable.items() if id(p) not in covered]
         if missing:  # pragma: no cover - every parameter is owned by some module
             raise ValueError(f"trainable parameters {missing} are not owned by any module")
@@ -251,24 +274,73 @@ class PrivacyEngine:
             raise RuntimeError("this PrivacyEngine is already attached to an optimizer; call detach() first")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self._check_optimizer(optimizer)
+        self._check_optimizer(optimizer, allow_frozen=False)
         self.optimizer = optimizer
-        capture_all = self.clipping_mode == "ghost"
-        for _, module, kind, names in self._hooked:
-            needs_act = capture_all or kind.needs_activation(module, names)
-            params = [self._param_of[(id(module), n)] for n in sorted(names)]
-            self._handles.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
-            hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
-        for name, p in self._trainable.items():
-            # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.
-            self._handles.append(p.register_hook(partial(self._outside_use, name)))
-        for mname, module in self.model.named_modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                self._handles.append(module.register_forward_pre_hook(partial(self._batchnorm_guard, mname)))
+        self._install_hooks()
         self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
         logger.info("attached: %d trainable tensors in %d hooked modules, mode %s, sigma=%g",
                     len(self._trainable), len(self._hooked), self.clipping_mode, self.noise_multiplier)
+
+    def _install_hooks(self) -> None:
+        """Model hooks (everything but the optimizer's): batch size, ghost differentiation, capture, guards."""
+        hooks = self._model_handles = []
+        root = self.model
+        hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True))
+        capture_all = self.clipping_mode == "ghost"
+        for mname, module, kind, names in self._hooked:
+            params = [self._param_of[(id(module), n)] for n in sorted(names)]
+            hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
+            if kind is generic.GENERIC:
+                hook = partial(self._generic_hook, names=names, label=mname or "<root>")
+            else:
+                needs_act = capture_all or kind.needs_activation(module, names)
+                hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
+            hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
+        for name, p in self._trainable.items():
+            # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.
+            hooks.append(p.register_hook(partial(self._outside_use, name)))
+        for mname, module in root.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                hooks.append(module.register_forward_pre_hook(partial(self._batchnorm_guard, mname)))
+        # registered last, so it runs after every other forward hook of the root
+        hooks.append(root.register_forward_hook(self._root_post, always_call=True))
+        self._handles.extend(hooks)
+
+    def _remove_model_hooks(self) -> None:
+        for h in getattr(self, "_model_handles", []):
+            h.remove()
+            if h in self._handles:
+                self._handles.remove(h)
+        self._model_handles = []
+
+    def update_trainable(self) -> None:
+        """Re-read which parameters train (``requires_grad``) after freezing or unfreezing some between steps.
+
+        Two-phase training (e.g. full fine-tuning, then DP-BiTFiT) keeps one engine, one optimizer and one
+        accountant, so epsilon composes over both phases::
+
+            for p in model.parameters(): p.requires_grad_(False)   # phase 2: biases only
+            for n, p in model.named_parameters(): p.requires_grad_("bias" in n)
+            engine.update_trainable()
+
+        Parameters frozen now get ``.grad = None`` at every step (optimizers skip them); newly trainable ones are
+        clipped and noised from the next step on. Call it between ``optimizer.step()`` and the next backward pass;
+        a step taken after a change without this call raises.
+        """
+        if self._summed:
+            raise RuntimeError("update_trainable() was called with gradients accumulated for the next step; call it "
+                               "after optimizer.step() and before the next backward pass")
+        self._pending.clear()  # forward calls that never got a backward pass
+        self._restore_params()
+        attached = self.optimizer is not None
+        if attached:
+            self._remove_model_hooks()
+        self._discover(self.model)
+        self._configure_groups()
+        if attached:
+            self._install_hooks()
+        logger.info("trainable set updated: %d tensors in %d hooked modules", len(self._trainable),
+                    len(self._hooked))
 
     def detach(self) -> None:
         """Remove every hook and restore ``requires_grad``: model and optimizer are as before :meth:`attach`."""
@@ -281,8 +353,10 @@ class PrivacyEngine:
         self._anchors.clear()
         self.optimizer = None
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        ours = {id(p) for p in self._trainable.values()}
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer, *, allow_frozen: bool) -> None:
+        """Every tensor the optimizer updates must be trainable (at :meth:`attach`), or, once training runs, a
+        parameter of the model (frozen ones get ``.grad = None`` and are skipped by the optimizer)."""
+        ours = {id(p) for p in (self.model.parameters() if allow_frozen else self._trainable.values())}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if id(p) not in ours:
@@ -308,17 +382,24 @@ class PrivacyEngine:
     def _detach_params(self, module: nn.Module, args: tuple[Any, ...], *, params: list[nn.Parameter]) -> None:
         """Ghost differentiation: during this module's forward its trainable parameters do not require grad,
         so the graph has no edge to them and autograd never computes their (non-private) gradients."""
+        detached: list[nn.Parameter] = []
+        self._detached_now.append(detached)  # always pushed: the forward hook always pops
         if self._in_bookkeeping:
             return
         for p in params:
             if p.requires_grad:
                 p.requires_grad_(False)
-                self._detached_now.append(p)
+                detached.append(p)
+
+    def _end_call(self) -> None:
+        """End of a hooked module's forward call: restore what its pre-hook detached (not its ancestors')."""
+        if self._detached_now:
+            for p in self._detached_now.pop():
+                p.requires_grad_(True)
 
     def _restore_params(self) -> None:
-        for p in self._detached_now:
-            p.requires_grad_(True)
-        self._detached_now.clear()
+        while self._detached_now:
+            self._end_call()
 
     def _outside_use(self, name: str, grad: torch.Tensor) -> None:
         raise RuntimeError(
@@ -327,40 +408,109 @@ class PrivacyEngine:
             "clip that use per sample. Tie weights through modules (assign the same nn.Parameter to both), or "
             "freeze the parameter.")
 
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The batch size of this forward call of the model: the leading dimension of its first tensor input."""
+        self._forward_batch.append(generic.first_batch_size(args, kwargs))
+
+    def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._forward_batch:
+            self._forward_batch.pop()
+
+    def _batch(self) -> int | None:
+        return self._forward_batch[-1] if self._forward_batch else None
+
+    def _hook_output(self, out: torch.Tensor, rec: Record, k: int) -> torch.Tensor:
+        if not out.requires_grad:
+            # Nothing upstream requires grad (first layer; weights are detached by ghost differentiation):
+            # add a zero that does, so the backward pass reaches this output.
+            out = out + self._anchor(out)
+        out.register_hook(partial(self._on_output_grad, rec, k))
+        return out
+
     def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *,
                       kind: LayerKind, names: frozenset[str], needs_act: bool) -> Any:
-        self._restore_params()  # always called, also when forward raised
+        self._end_call()  # always called, also when forward raised
         if self._in_bookkeeping or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
             return None
+        B = self._batch()
+        out = output
+        broadcast = B is not None and generic.is_broadcast(out, B)
+        if broadcast:
+            # One output for the whole batch (input with batch dimension 1, e.g. HF position ids (1, T)): expand
+            # it, so the gradient arrives per sample instead of summed over the batch.
+            out = out.expand(B, *out.shape[1:])
         activation = None
         if needs_act:
             inputs = args if args else tuple(kwargs.values())
             activation = kind.capture(module, inputs)
-        rec = Record(module=module, kind=kind, names=names, activation=activation)
-        out = output
-        if not out.requires_grad:
-            # Nothing upstream requires grad (first layer; weights are detached by ghost differentiation):
-            # add a zero that does, so the backward pass reaches this layer's output.
-            out = out + self._anchor(out)
-        out.register_hook(partial(self._on_output_grad, rec))
+            if broadcast and activation.dim() >= 1 and activation.shape[0] == 1:
+                activation = activation.expand(B, *activation.shape[1:])
+        rec = Record(module=module, kind=kind, names=names, activation=activation, autocast=autocast_state())
+        out = self._hook_output(out, rec, 0)
         self._pending.append(rec)
         return out if out is not output else None
 
-    def _on_output_grad(self, rec: Record, grad: torch.Tensor) -> None:
-        if rec.grad_output is not None:
+    def _generic_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *,
+                      names: frozenset[str], label: str) -> Any:
+        """Forward hook of a generic owner: keep its inputs, expand broadcast outputs, hook every output."""
+        self._end_call()
+        if self._in_bookkeeping or not torch.is_grad_enabled():
+            return None
+        B = self._batch()
+        if B is None:
+            B = generic.first_batch_size(args, kwargs)
+        leaves, spec = tree_flatten(output)
+        new_leaves = list(leaves)
+        hooked: list[int] = []
+        for j, leaf in enumerate(leaves):
+            if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1):
+                continue
+            if B is not None and leaf.shape[0] == B:
+                hooked.append(j)
+            elif B is not None and generic.is_broadcast(leaf, B):
+                new_leaves[j] = leaf.expand(B, *leaf.shape[1:])
+                hooked.append(j)
+            elif leaf.requires_grad:
+                new_leaves[j] = leaf.view_as(leaf)
+                new_leaves[j].register_hook(partial(self._unattributable, label, j))
+        if B is None or not hooked:
+            raise RuntimeError(
+                f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
+                "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "
+                "cannot be attributed to samples. Freeze them, or return per-sample outputs.")
+        args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B)
+        call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
+                                   outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
+                                   label=label, autocast=autocast_state())
+        rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
+                     autocast=call.autocast)
+        call.grads.extend([None] * len(hooked))
+        for k, j in enumerate(hooked):
+            new_leaves[j] = self._hook_output(new_leaves[j], rec, k)
+        self._pending.append(rec)
+        return tree_unflatten(new_leaves, spec)
+
+    @staticmethod
+    def _unattributable(label: str, j: int, grad: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"output {j} of module {label!r} has no batch dimension but received a gradient: its contribution to "
+            "the owner's trainable parameters cannot be attributed to samples.")
+
+    def _on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:
+        if rec.grads[k] is not None:
             raise RuntimeError(
                 f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
                 "sample may contribute once per logical step. Do not call backward twice on one graph "
                 "(retain_graph=True) under a PrivacyEngine.")
-        rec.grad_output = grad.detach()
+        rec.grads[k] = grad.detach()
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
-        done = [r for r in self._pending if r.grad_output is not None]
-        self._pending = [r for r in self._pending if r.grad_output is None]
+        done = [r for r in self._pending if r.reached]
+        self._pending = [r for r in self._pending if not r.reached]
         self._in_bookkeeping = True  # GhostClip's replay calls the modules again: no hooks for that
         try:
             sums = clipped_sums(done, self._param_of, self._clip_cfg)
@@ -376,15 +526,32 @@ class PrivacyEngine:
         if len(args) > 1 or kwargs.get("closure") is not None:
             raise RuntimeError("optimizer.step(closure) is not supported under a PrivacyEngine: call "
                                "loss.backward() yourself, then optimizer.step()")
-        self._check_optimizer(optimizer)
+        self._check_optimizer(optimizer, allow_frozen=True)
+        self._check_trainable_unchanged()
         self._pending.clear()  # forward calls that never got a backward pass
         std = self.noise_multiplier * self.max_grad_norm
         for p in self._trainable.values():
             p.grad = noisy_mean(p, self._summed.pop(p, None), std, self.batch_size, self.noise_generator)
+        trainable = {id(p) for p in self._trainable.values()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in trainable:
+                    p.grad = None  # frozen since attach (update_trainable): never updated
         self._summed.clear()
         self.steps += 1
         if self.noise_multiplier > 0:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    def _check_trainable_unchanged(self) -> None:
+        now = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        if now != set(self._trainable):
+            frozen = sorted(set(self._trainable) - now)
+            unfrozen = sorted(now - set(self._trainable))
+            raise RuntimeError(
+                "the model's trainable parameters changed since the engine read them "
+                f"(frozen: {frozen[:5]}{'...' if len(frozen) > 5 else ''}, "
+                f"unfrozen: {unfrozen[:5]}{'...' if len(unfrozen) > 5 else ''}); nothing was released. Call "
+                "engine.update_trainable() after freezing or unfreezing parameters, before the next backward pass.")
 
     # ------------------------------------------------------------------ reporting
     def get_privacy_spent(self, delta: float | None = None) -> dict[str, Any]:

@@ -2,9 +2,20 @@
 
 The released gradient of a parameter is ``(sum_i C_i g_i + sigma * R * xi) / batch_size`` with
 ``xi ~ N(0, I)`` drawn once per parameter per logical step, in at least float32, on the parameter's device.
+
+Secure mode (:func:`secure_generator`, :func:`secure_gaussian`, :func:`secure_noisy_mean`) draws from generators
+whose state comes from the operating system's CSPRNG at every call, and sums four Gaussians against the
+floating-point attack on the Gaussian mechanism; see docs/security.md for what this does and does not protect.
 """
 
 from __future__ import annotations
+
+import math
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -43,3 +54,115 @@ def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float
     if clipped_sum is not None:
         grad.add_(clipped_sum.to(grad.dtype), alpha=1.0 / batch_size)
     return grad.to(param.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- secure mode
+#: Layout of the CPU generator state (``CPUGeneratorImplState`` in ATen): int64 initial seed, int32 ``left``,
+#: int32 ``seeded``, uint64 ``next``, then the 624 Mersenne-Twister words, each stored in a uint64 slot.
+_MT_WORDS = 624
+_MT_OFFSET = 24
+
+
+@lru_cache(maxsize=1)
+def _cpu_state_layout_ok() -> bool:
+    """Whether this torch's CPU generator state has the layout :func:`_seed_cpu_generator` writes.
+
+    Checked against the Mersenne-Twister initialisation of a known seed (MT19937 reference init, seed 5489).
+    """
+    if sys.byteorder != "little":
+        return False
+    g = torch.Generator()
+    g.manual_seed(5489)
+    st = g.get_state()
+    if st.dtype != torch.uint8 or st.numel() < _MT_OFFSET + 8 * _MT_WORDS:
+        return False
+    words = st[_MT_OFFSET:_MT_OFFSET + 8 * 3].view(torch.int64).tolist()
+    left_seeded = st[8:16].view(torch.int32).tolist()
+    expected1 = (1812433253 * (5489 ^ (5489 >> 30)) + 1) & 0xFFFFFFFF
+    expected2 = (1812433253 * (expected1 ^ (expected1 >> 30)) + 2) & 0xFFFFFFFF
+    return words == [5489, expected1, expected2] and left_seeded == [1, 1]
+
+
+def _seed_cpu_generator(gen: torch.Generator) -> None:
+    """Fill the whole Mersenne-Twister state of a CPU generator (624 x 32 bits) from ``os.urandom``.
+
+    ``torch.Generator.manual_seed`` on CPU keeps only the low 32 bits of the seed (seeds ``s`` and ``s + 2**32``
+    give the same stream), so seeding it with 64 random bits would give 32 bits of entropy.
+    """
+    if not _cpu_state_layout_ok():
+        raise RuntimeError(
+            f"secure mode: the CPU torch.Generator state of torch {torch.__version__} does not have the layout "
+            "fastdp knows, so its full Mersenne-Twister state cannot be filled from the OS CSPRNG (manual_seed "
+            "alone keeps only 32 bits of the seed on CPU). Use an accelerator device for secure noise, or a torch "
+            "version whose layout fastdp supports.")
+    gen.manual_seed(secrets.randbits(63))  # resets 'left', 'next' and the cached normals
+    state = gen.get_state()
+    words = torch.frombuffer(bytearray(os.urandom(4 * _MT_WORDS)), dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
+    state[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS] = words.view(torch.uint8)
+    gen.set_state(state)
+
+
+def secure_generator(device: torch.device | str | None = None) -> torch.Generator:
+    """A new ``torch.Generator`` on ``device`` (default CPU) whose state comes from the OS CSPRNG.
+
+    * CPU: all 624 32-bit words of the Mersenne-Twister state are drawn from ``os.urandom`` (the state layout is
+      verified at run time; ``RuntimeError`` if this torch's layout is unknown).
+    * Other devices (CUDA: Philox, whose seed is 64 bits): ``manual_seed(secrets.randbits(64))``.
+
+    The generator's *output* is that of torch's ordinary PRNG (MT19937 or Philox), not a cryptographic stream;
+    the point is that its state cannot be predicted or reproduced. Make a fresh one per use.
+    """
+    dev = torch.device("cpu" if device is None else device)
+    gen = torch.Generator(device=dev)
+    if dev.type == "cpu":
+        _seed_cpu_generator(gen)
+    else:
+        gen.manual_seed(secrets.randbits(64))
+    return gen
+
+
+def secure_gaussian(shape: int | Sequence[int] | torch.Size, std: float, device: torch.device | str | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``N(0, std^2 I)`` noise of ``shape`` drawn with the floating-point attack mitigation.
+
+    Returns ``(z_1 + z_2 + z_3 + z_4) / 2`` with ``z_k ~ N(0, std^2 I)`` independent, each drawn from its own fresh
+    :func:`secure_generator` (so four CSPRNG-seeded generators per call). The sum has variance ``4 std^2 / 4 =
+    std^2``. A single floating-point Gaussian sample leaves gaps and an uneven spacing in the set of values it can
+    take, which reveal the noiseless value it was added to (Mironov, CCS 2012); summing independent samples fills
+    them (the recipe of Opacus' secure mode, after arXiv 2107.10138 section 5.1 with n = 2).
+
+    The draws are made in float64 on CPU and in ``dtype`` promoted to at least float32 on other devices; the result
+    has ``dtype`` promoted to at least float32 (half-precision noise is never returned), on ``device``.
+
+    Raises:
+        ValueError: ``std`` negative or not finite, or ``dtype`` not a floating dtype.
+    """
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std < 0:
+        raise ValueError(f"std={std!r} must be a finite number >= 0")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating dtype; use torch.float32 or torch.float64")
+    dev = torch.device("cpu" if device is None else device)
+    out_dtype = accumulation_dtype(dtype)
+    work_dtype = torch.float64 if dev.type == "cpu" else out_dtype
+    if std == 0:
+        return torch.zeros(shape, dtype=out_dtype, device=dev)
+    acc = torch.empty(shape, dtype=work_dtype, device=dev).normal_(0.0, float(std), generator=secure_generator(dev))
+    buf = torch.empty_like(acc)
+    for _ in range(3):
+        acc.add_(buf.normal_(0.0, float(std), generator=secure_generator(dev)))
+    acc.mul_(0.5)
+    return acc.to(out_dtype)
+
+
+def secure_noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float,
+                      batch_size: int) -> torch.Tensor:
+    """:func:`noisy_mean` with :func:`secure_gaussian` noise: ``(clipped_sum + std * xi) / batch_size``.
+
+    The noise ``std * xi`` is drawn at full scale (the attack mitigation concerns the released noise, so it is not
+    pre-divided), added to the clipped sum in :func:`noise_dtype`, then divided by ``batch_size`` and cast to
+    ``param``'s dtype. ``clipped_sum=None`` means an empty batch (noise only).
+    """
+    grad = secure_gaussian(param.shape, std, param.device, noise_dtype(param))
+    if clipped_sum is not None:
+        grad.add_(clipped_sum.to(grad.dtype))
+    return grad.div_(batch_size).to(param.dtype)

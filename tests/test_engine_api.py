@@ -144,26 +144,58 @@ def _assert_refused(model, names):
     assert any(n in msg for n in names), f"message should name one of {names}: {msg!r}"
 
 
-def test_refuse_raw_parameter():
-    _assert_refused(WithRawParam().to(D), ["block.scale"])
+def test_raw_parameter_takes_generic_path_exactly():
+    """A raw nn.Parameter (Scaled.scale) is no longer refused: the generic torch.func path clips it exactly."""
+    torch.manual_seed(48)
+    model = WithRawParam().to(D)
+    with torch.no_grad():
+        model.block.scale.uniform_(0.5, 1.5)
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    for mode in MODES:
+        compare_engine_to_oracle(copy.deepcopy(model), mse_per_sample, [(x, y)], mode=mode, fn="abadi", batch_size=5)
 
 
 def test_refuse_batchnorm_train_mode():
     _assert_refused(WithBN().to(D).train(), ["bn.weight", "bn.bias"])
 
 
+class Pair(nn.Module):
+    """Feeds an unsupported layer, reading out the first output where the layer returns a tuple."""
+
+    def __init__(self, layer, two_inputs=False, seq=False):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.odd = layer
+        self.two_inputs, self.seq = two_inputs, seq
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.seq:
+            h = h.unsqueeze(1).expand(-1, 3, -1)  # (B, 3, 4): a short sequence per sample
+        out = self.odd(h, h) if self.two_inputs else self.odd(h)
+        if isinstance(out, tuple):
+            out = out[0]
+        return out.reshape(out.shape[0], -1).sum(-1, keepdim=True)
+
+
 @pytest.mark.parametrize(
-    "layer,names",
+    "layer,kw",
     [
-        (lambda: nn.PReLU(4), ["odd.weight"]),
-        (lambda: nn.Bilinear(4, 4, 2), ["odd.weight", "odd.bias"]),
-        (lambda: nn.ConvTranspose1d(1, 2, 2), ["odd.weight", "odd.bias"]),
-        (lambda: nn.LSTM(4, 2, batch_first=True), ["odd.weight_ih_l0", "odd.weight_hh_l0", "odd.bias_ih_l0"]),
+        (lambda: nn.PReLU(4), {}),
+        (lambda: nn.Bilinear(4, 4, 2), {"two_inputs": True}),
+        (lambda: nn.ConvTranspose1d(3, 2, 2), {"seq": True}),
+        (lambda: nn.LSTM(4, 2, batch_first=True), {"seq": True}),
     ],
     ids=["prelu", "bilinear", "convtranspose", "lstm"],
 )
-def test_refuse_unsupported_layer(layer, names):
-    _assert_refused(WithLayer(layer()).to(D), names)
+def test_unsupported_layer_takes_generic_path_exactly(layer, kw):
+    """Layers without a layer kind are owners on the generic path: exact against the batch-of-one oracle."""
+    torch.manual_seed(49)
+    model = Pair(layer(), **kw).to(D)
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 1, dtype=D)
+    for mode in ("BK-MixOpt", "ghost", "instantiate"):
+        compare_engine_to_oracle(copy.deepcopy(model), mse_per_sample, [(x, y)], mode=mode, fn="abadi",
+                                 batch_size=5, style="layer-wise")
 
 
 def test_frozen_unsupported_layer_is_fine():

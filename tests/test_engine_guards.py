@@ -81,12 +81,57 @@ class Broadcast(nn.Module):
         return self.tok(ids) + self.pos(pos)
 
 
-def test_input_broadcast_over_the_batch_is_refused():
-    model = Broadcast().to(D)
+def test_input_broadcast_over_the_batch_is_exact():
+    """Position ids of shape (1, T): the layer's output is expanded to the batch, gradients arrive per sample."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from oracle import MODES, compare_engine_to_oracle
+
+    torch.manual_seed(3)
+    model = Head(Broadcast()).to(D)
+    ids, y = torch.randint(0, 5, (4, 6)), torch.randn(4, 1, dtype=D)
+    for mode in MODES:
+        compare_engine_to_oracle(_copy(model), _mse, [(ids, y)], mode=mode, fn="abadi", batch_size=4)
+
+
+class NoBatchDim(nn.Module):
+    """A layer applied to an input with no batch dimension at all (T,), its output broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(5, 3), nn.Embedding(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+
+
+def test_input_without_batch_dimension_is_refused():
+    model = NoBatchDim().to(D)
     engine, opt = _attached(model)
     out = model(torch.randint(0, 5, (4, 6)))
     with pytest.raises(RuntimeError, match="different batch sizes"):
         out.sum().backward()
+
+
+class Head(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body, self.out = body, nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.body(ids))).sum(1)
+
+
+def _copy(m: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(m)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).flatten(1).sum(1)
 
 
 def test_batchnorm_switched_to_train_after_construction_is_refused():

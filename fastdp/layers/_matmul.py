@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdp.layers._factored import Factors
 from fastdp.layers.base import LayerKind
 
 
@@ -87,3 +88,9 @@ class OuterProductKind(LayerKind):
         if name == "bias":
             return torch.einsum("b,bp->p", coef.to(G.dtype), G.sum(dim=2).flatten(1))
         return clipped_sum(A, G, coef).reshape(module.weight.shape)
+
+    def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
+        A, G = ctx
+        if name == "bias":  # (g p,) as g blocks of (p x 1): G against a column of ones
+            return Factors(G, G.new_ones(*G.shape[:3], 1))
+        return Factors(G, A)

@@ -24,10 +24,14 @@ Adding a layer type means writing one subclass in its own file and decorating it
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from fastdp.layers._factored import Factors
 
 #: dtypes computed in float32 for norms and sums (mixed precision).
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -36,6 +40,27 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype per-sample norms and clipped sums are computed in: at least float32."""
     return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions active now, as ``((device_type, dtype), ...)``, to replay a forward call faithfully."""
+    state = []
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            state.append((device_type, torch.get_autocast_dtype(device_type)))
+    return tuple(state)
+
+
+@contextlib.contextmanager
+def replay_autocast(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Re-enter the autocast regions recorded by :func:`autocast_state` (and no others)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        for device_type, dtype in state:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield
 
 
 def to_accumulation(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +75,10 @@ class LayerKind:
 
     #: module classes this kind handles; subclasses of them are accepted only if they keep the same ``forward``.
     module_types: ClassVar[tuple[type[nn.Module], ...]] = ()
+    #: whether GhostClip's layer-local replay (``"ghost"`` mode) can recompute this kind's gradients.
+    replayable: ClassVar[bool] = True
+    #: qualified class names (``"package.module.Class"``) of optional packages' modules this kind handles.
+    module_type_names: ClassVar[tuple[str, ...]] = ()
 
     def unsupported_reason(self, module: nn.Module) -> str | None:
         """Why this module's configuration cannot be trained privately, or ``None`` if it can."""
@@ -85,6 +114,14 @@ class LayerKind:
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``."""
         raise NotImplementedError
+
+    def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
+        """``g_i`` as a sum of outer products (:class:`fastdp.layers._factored.Factors`), or ``None``.
+
+        Used for parameters shared by several calls: the cross terms ``<g_i^u, g_i^v>`` of their norm then have a
+        ghost form. Kinds without one fall back to instantiating :meth:`per_sample_grad`.
+        """
+        return None
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """Per-sample gradients ``g_i`` of parameter ``name``, shape ``(B, *param.shape)``."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fastdp.layers import register
+from fastdp.layers._factored import Factors, OneHot
 from fastdp.layers.base import LayerKind, to_accumulation
 
 
@@ -64,6 +65,10 @@ class EmbeddingKind(LayerKind):
         same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (B, T, T), exact integer comparison
         ggt = torch.matmul(G, G.transpose(1, 2))
         return (ggt * same.to(ggt.dtype)).sum(dim=(1, 2))
+
+    def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
+        ids, G = ctx  # g_i = sum_t onehot(x_i[t]) (x) G_i[t]
+        return Factors(OneHot(ids.unsqueeze(1), module.num_embeddings), G.unsqueeze(1))
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         ids, G = ctx

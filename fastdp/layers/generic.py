@@ -1,0 +1,210 @@
+"""The exact generic path: per-sample gradients of any module's parameters through ``torch.func``.
+
+Parameters that no layer kind covers -- raw ``nn.Parameter`` s such as a ViT's class token and position embedding,
+``nn.MultiheadAttention``'s ``in_proj_weight``, a custom module's scale, a T5 relative attention bias -- are
+handled at the module that owns them (the *owner*). The engine keeps the owner's inputs (positional and keyword)
+and the gradients that reach its outputs in the backward pass; after the backward pass this kind replays the
+owner per sample::
+
+    g_i = vjp( theta -> owner(theta, x_i), theta )( G_i )         (vmap over i, a batch of one each)
+
+with ``x_i`` sample ``i``'s inputs (batch dimension kept, of size 1; inputs without the batch dimension are shared)
+and ``G_i`` the gradients that reached sample ``i``'s outputs. ``theta`` are only the owner's generic parameters;
+everything else in the owner is a constant, so the cost is about one extra forward and backward of the owner.
+
+Exactness is checked, not assumed: the replayed outputs must equal the outputs of the real forward pass, or the
+step fails with an error naming the owner. That catches randomness (dropout) in the owner's forward, modules that
+mix samples, and inputs mistaken for batched ones. Random operations in a replay are refused outright.
+
+Outputs of size 1 along the batch dimension (a position embedding computed once and broadcast over the batch) are
+expanded to the batch size in the real forward pass, so their gradients arrive per sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fastdp.layers.base import LayerKind, replay_autocast, to_accumulation
+
+logger = logging.getLogger(__name__)
+
+#: relative tolerance of the replay check per dtype (vmap may reorder floating-point sums).
+_REPLAY_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+
+def subtree_owner(module: nn.Module) -> tuple[str, ...] | None:
+    """Parameter paths (relative to ``module``) that ``module`` owns although they live in its submodules, because
+    its forward uses them without calling the submodule (``None`` if there are none).
+
+    * ``nn.MultiheadAttention`` reads ``out_proj.weight`` / ``out_proj.bias`` directly in
+      ``F.multi_head_attention_forward``: it owns its whole subtree.
+    * T5-style attention (``has_relative_attention_bias`` and a ``relative_attention_bias`` embedding): the bias
+      embedding's input, a matrix of relative positions, has no batch dimension; the attention module is the
+      smallest owner whose inputs are per sample.
+    """
+    if isinstance(module, nn.MultiheadAttention):
+        return tuple(n for n, _ in module.named_parameters())
+    rel = getattr(module, "relative_attention_bias", None)
+    if isinstance(rel, nn.Embedding) and getattr(module, "has_relative_attention_bias", False):
+        return tuple(f"relative_attention_bias.{n}" for n, _ in rel.named_parameters())
+    return None
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why the generic path cannot own ``module``'s parameters, or ``None``."""
+    if isinstance(module, nn.MultiheadAttention) and not module.batch_first:
+        return ("batch_first=False: fastdp needs the batch dimension first; build it with batch_first=True (and "
+                "nn.TransformerEncoderLayer/DecoderLayer with batch_first=True)")
+    return None
+
+
+def first_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The leading dimension of the first tensor among ``args`` then ``kwargs`` (``None`` if there is none)."""
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return leaf.shape[0]
+    return None
+
+
+def is_broadcast(t: torch.Tensor, batch: int) -> bool:
+    """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and no other dimension of the
+    batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension elsewhere and is not expanded)."""
+    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1 and batch not in t.shape[1:]
+
+
+@dataclass(eq=False)
+class GenericCall:
+    """What the engine keeps from one forward call of an owner (the record's ``activation``)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    in_dims: tuple[Any, Any]  # pytree of 0 (batched input) / None (shared) matching (args, kwargs)
+    batch: int
+    leaf_index: list[int]  # hooked output leaves (indices into the flattened output)
+    outputs: list[torch.Tensor]  # their values in the real forward pass (detached, expanded to the batch)
+    names: tuple[str, ...] = ()  # the owner's generic parameters (paths relative to the owner)
+    label: str = ""  # the owner's name in the model, for errors
+    grads: list[torch.Tensor | None] = field(default_factory=list)  # filled by the backward pass
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
+
+
+def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> tuple[Any, Any, tuple[Any, Any]]:
+    """Detach the tensors of a forward call and mark which are batched (leading dimension ``batch``)."""
+    def detach(x: Any) -> Any:
+        return x.detach() if isinstance(x, torch.Tensor) else x
+
+    def dim(x: Any) -> int | None:
+        return 0 if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch else None
+
+    args_d, kwargs_d = tree_map(detach, (tuple(args), dict(kwargs)))
+    return args_d, kwargs_d, tree_map(dim, (args_d, kwargs_d))
+
+
+class GenericKind(LayerKind):
+    """Per-sample gradients of an owner's parameters by a vmapped per-sample replay (see the module docstring)."""
+
+    replayable = False  # GhostClip's layer-local replay does not apply; the kind keeps its per-sample gradients
+
+    def batch_size(self, activation: Any, grad_output: torch.Tensor | None) -> int:
+        return activation.batch
+
+    def prepare(self, module: nn.Module, activation: Any, grad_output: Any) -> dict[str, torch.Tensor]:
+        call: GenericCall = activation
+        names_l, label = sorted(call.names), repr(call.label)
+        B = call.batch
+        primals = {n: module.get_parameter(n).detach() for n in names_l}
+        if B == 0:
+            return {n: to_accumulation(p.new_zeros(0, *p.shape)) for n, p in primals.items()}
+        cots = tuple((g if g is not None else torch.zeros_like(o)).to(o.dtype).unsqueeze(1)
+                     for g, o in zip(call.grads, call.outputs, strict=True))
+        arg_dims, kwarg_dims = call.in_dims
+        args_b, kwargs_b = tree_map(lambda x: x, (call.args, call.kwargs))
+        args_b = _unsqueeze_batched(args_b, arg_dims)
+        kwargs_b = _unsqueeze_batched(kwargs_b, kwarg_dims)
+        leaf_index = call.leaf_index
+
+        def one(args_i: tuple[Any, ...], kwargs_i: dict[str, Any], cot_i: tuple[torch.Tensor, ...]) -> Any:
+            def f(theta: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+                leaves = tree_flatten(functional_call(module, theta, args_i, kwargs_i))[0]
+                return tuple(leaves[j] for j in leaf_index)
+
+            outs, pullback = vjp(f, primals)
+            return pullback(cot_i)[0], outs
+
+        with torch.no_grad(), replay_autocast(call.autocast), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*performance drop.*")  # functorch's batching fallbacks
+            try:
+                grads, outs = vmap(one, in_dims=(arg_dims, kwarg_dims, 0), randomness="error")(
+                    args_b, kwargs_b, cots)
+            except RuntimeError as e:
+                if "random" in str(e):
+                    raise RuntimeError(
+                        f"module {label} ({type(module).__name__}) owns parameters {names_l} that fastdp clips "
+                        "through its generic path, which replays the module's forward per sample; the forward draws "
+                        "random numbers (dropout), so the replay cannot reproduce it. Set its dropout probabilities "
+                        "to 0 or call .eval() on it.") from e
+                # An operation without a vmap batching rule that fails batched: one sample at a time instead.
+                logger.info("module %s (%s): vmap failed (%s); replaying one sample at a time", label,
+                            type(module).__name__, str(e).splitlines()[0][:200])
+                grads, outs = _loop(one, args_b, kwargs_b, cots, (arg_dims, kwarg_dims), B)
+        for j, (got, want) in enumerate(zip(outs, call.outputs, strict=True)):
+            got = got.reshape(want.shape)
+            if not _close(got, want):
+                raise RuntimeError(
+                    f"module {label} ({type(module).__name__}): replaying its forward one sample at a time does not "
+                    f"reproduce output {j} of the real forward pass (max difference "
+                    f"{(got.double() - want.double()).abs().max().item():.3g}). Its per-sample gradients would be "
+                    "wrong, so fastdp stops. Causes: randomness in forward (dropout: set it to 0), a forward that "
+                    "mixes the samples of a batch (batch statistics), state changed between forward and backward "
+                    "(a cache: pass use_cache=False), or an input without a batch dimension whose leading size "
+                    "equals the batch size.")
+        return {n: to_accumulation(g) for n, g in grads.items()}
+
+    def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+        return ctx[name]
+
+
+def _loop(one: Any, args_b: Any, kwargs_b: Any, cots: tuple[torch.Tensor, ...], dims: tuple[Any, Any],
+          B: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """:func:`vmap` of ``one`` by a Python loop over the samples (same results, no batching rules needed)."""
+    def pick(tree: Any, tree_dims: Any, i: int) -> Any:
+        flat, spec = tree_flatten(tree)
+        flat_dims = tree_flatten(tree_dims)[0]
+        return spec.unflatten([x[i] if d == 0 else x for x, d in zip(flat, flat_dims, strict=True)])
+
+    results = [one(pick(args_b, dims[0], i), pick(kwargs_b, dims[1], i), tuple(c[i] for c in cots))
+               for i in range(B)]
+    grads = {n: torch.stack([r[0][n] for r in results]) for n in results[0][0]}
+    outs = tuple(torch.stack([r[1][j] for r in results]) for j in range(len(results[0][1])))
+    return grads, outs
+
+
+def _unsqueeze_batched(tree: Any, dims: Any) -> Any:
+    """Batched tensors ``(B, ...)`` become ``(B, 1, ...)``: vmap then hands each sample a batch of one."""
+    flat, spec = tree_flatten(tree)
+    flat_dims = tree_flatten(dims)[0] if dims is not None else [None] * len(flat)
+    if len(flat_dims) != len(flat):  # dims is a prefix (None for a whole subtree)
+        flat_dims = [None] * len(flat)
+    out = [x.unsqueeze(1) if d == 0 else x for x, d in zip(flat, flat_dims, strict=True)]
+    return spec.unflatten(out)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    rtol = _REPLAY_RTOL.get(want.dtype, 1e-3)
+    scale = want.abs().max().item() if want.numel() else 0.0
+    if not math.isfinite(scale):
+        return bool(torch.equal(got.isfinite(), want.isfinite())) and torch.allclose(
+            got[want.isfinite()], want[want.isfinite()], rtol=rtol, atol=rtol)
+    return torch.allclose(got, want, rtol=rtol, atol=rtol * max(scale, 1e-30))
+
+
+GENERIC = GenericKind()
