@@ -82,7 +82,9 @@ def _batch_size(records: list[Record]) -> int:
             "hooked layers saw different batch sizes in one backward pass "
             f"({detail}). fastdp needs the batch dimension first in every layer's input; an input without it "
             "(shared by all samples) must have size 1 there (it is then broadcast). A layer whose input folds "
-            "the batch into another dimension, or has no batch dimension, cannot be attributed to samples.")
+            "the batch into another dimension (a leading size that is a multiple of the batch size, as in "
+            "x.reshape(-1, d) before a Linear: HF OPT's decoder layers do this), or has no batch dimension, cannot "
+            "be attributed to samples. Keep the batch dimension in the model's forward, or freeze those layers.")
     return distinct.pop()
 
 

@@ -304,8 +304,8 @@ def poisson_loader(data: Dataset | DataLoader, batch_size: int | None = None, sa
         raise ValueError(f"sample_size={sample_size} differs from len(dataset)={n}; the sampler draws from "
                          "every example of the dataset, so they must be equal (use torch.utils.data.Subset to "
                          "sample from part of it)")
-    if kwargs.get("num_workers", loader_kwargs.get("num_workers", 0)) == 0:
-        kwargs.pop("prefetch_factor", None)
+    if loader_kwargs.get("num_workers", kwargs.get("num_workers", 0)) == 0:
+        kwargs.pop("prefetch_factor", None)  # DataLoader refuses a prefetch_factor without workers
     kwargs.update(loader_kwargs)
     collate_fn = kwargs.pop("collate_fn", collate_fn)
     sampler = PoissonSampler(sample_size, sample_rate=sample_rate, batch_size=batch_size, steps=steps,

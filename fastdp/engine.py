@@ -159,6 +159,7 @@ class PrivacyEngine:
         # parameters detached by the forward calls in progress, one list per call (calls nest like a stack)
         self._detached_now: list[list[nn.Parameter]] = []
         self._forward_batch: list[int | None] = []  # batch size of the model's forward calls in progress
+        self._rng_stack: list[Any] = []  # RNG states at the start of the generic owners' calls in progress
         self.optimizer: torch.optim.Optimizer | None = None
 
     def _configure_groups(self) -> None:
@@ -291,6 +292,7 @@ class PrivacyEngine:
             params = [self._param_of[(id(module), n)] for n in sorted(names)]
             hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
             if kind is generic.GENERIC:
+                hooks.append(module.register_forward_pre_hook(self._generic_pre, with_kwargs=True))
                 hook = partial(self._generic_hook, names=names, label=mname or "<root>")
             else:
                 needs_act = capture_all or kind.needs_activation(module, names)
@@ -454,8 +456,9 @@ class PrivacyEngine:
                       names: frozenset[str], label: str) -> Any:
         """Forward hook of a generic owner: keep its inputs, expand broadcast outputs, hook every output."""
         self._end_call()
-        if self._in_bookkeeping or not torch.is_grad_enabled():
-            return None
+        rng = self._rng_stack.pop() if self._rng_stack else None
+        if self._in_bookkeeping or not torch.is_grad_enabled() or output is None:
+            return None  # (output is None when the forward raised)
         B = self._batch()
         if B is None:
             B = generic.first_batch_size(args, kwargs)
@@ -481,7 +484,7 @@ class PrivacyEngine:
         args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B)
         call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
                                    outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
-                                   label=label, autocast=autocast_state())
+                                   label=label, autocast=autocast_state(), rng=rng)
         rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
                      autocast=call.autocast)
         call.grads.extend([None] * len(hooked))
@@ -489,6 +492,10 @@ class PrivacyEngine:
             new_leaves[j] = self._hook_output(new_leaves[j], rec, k)
         self._pending.append(rec)
         return tree_unflatten(new_leaves, spec)
+
+    def _generic_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep the random number generators' state, so the per-sample replay draws the same dropout masks."""
+        self._rng_stack.append(None if self._in_bookkeeping else generic.rng_state(args, kwargs))
 
     @staticmethod
     def _unattributable(label: str, j: int, grad: torch.Tensor) -> None:

@@ -24,9 +24,9 @@ TransformerDecoderLayer, RNN/LSTM/GRU with         the batch
 ``batch_first=False``
 =================================================  =============================================================
 
-BatchNorm in eval mode with running statistics is fine: it is a fixed per-channel affine map, per sample (freeze
-its parameters too: the engine supports only the layers listed in docs/engine.md). Keep it in eval mode: a later
-``model.train()`` puts it back in train mode.
+BatchNorm in eval mode with running statistics is fine, whether its affine parameters are frozen or trainable: it
+is a fixed per-channel affine map applied to each sample. Keep it in eval mode: a later ``model.train()`` puts it
+back in train mode.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ everything else in the owner is a constant, so the cost is about one extra forwa
 
 Exactness is checked, not assumed: the replayed outputs must equal the outputs of the real forward pass, or the
 step fails with an error naming the owner. That catches randomness (dropout) in the owner's forward, modules that
-mix samples, and inputs mistaken for batched ones. Random operations in a replay are refused outright.
+mix samples, and inputs mistaken for batched ones. Dropout inside an owner is replayed from the generators' state
+at the real call (vmap's ``randomness="different"`` draws the same masks when the layout is the batch's); where the
+masks differ, the output check refuses the step.
 
 Outputs of size 1 along the batch dimension (a position embedding computed once and broadcast over the batch) are
 expanded to the batch size in the real forward pass, so their gradients arrive per sample.
@@ -22,10 +24,12 @@ expanded to the batch size in the real forward pass, so their gradients arrive p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -95,6 +99,28 @@ class GenericCall:
     label: str = ""  # the owner's name in the model, for errors
     grads: list[torch.Tensor | None] = field(default_factory=list)  # filled by the backward pass
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    rng: Any = None  # (device, CPU generator state, CUDA generator state or None) at the start of the call
+
+
+def rng_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The default generators' states now (CPU, and the CUDA device of the first CUDA input if any)."""
+    device = next((x.device for x in tree_flatten((args, kwargs))[0]
+                   if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
+    return (device, torch.get_rng_state(), torch.cuda.get_rng_state(device) if device is not None else None)
+
+
+@contextlib.contextmanager
+def replayed_rng(state: Any) -> Iterator[None]:
+    """Run with the generators as they were at the start of the real call; restore them afterwards."""
+    if state is None:
+        yield
+        return
+    device, cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if device is not None else [], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if device is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> tuple[Any, Any, tuple[Any, Any]]:
@@ -143,19 +169,19 @@ class GenericKind(LayerKind):
         with torch.no_grad(), replay_autocast(call.autocast), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*performance drop.*")  # functorch's batching fallbacks
             try:
-                grads, outs = vmap(one, in_dims=(arg_dims, kwarg_dims, 0), randomness="error")(
-                    args_b, kwargs_b, cots)
+                # Random operations (dropout) draw from the generators as they were at the real call; vmap's
+                # "different" randomness then reproduces the batch's masks when the layout matches, and the
+                # output check below refuses the step when it does not.
+                with replayed_rng(call.rng):
+                    grads, outs = vmap(one, in_dims=(arg_dims, kwarg_dims, 0), randomness="different")(
+                        args_b, kwargs_b, cots)
             except RuntimeError as e:
-                if "random" in str(e):
-                    raise RuntimeError(
-                        f"module {label} ({type(module).__name__}) owns parameters {names_l} that fastdp clips "
-                        "through its generic path, which replays the module's forward per sample; the forward draws "
-                        "random numbers (dropout), so the replay cannot reproduce it. Set its dropout probabilities "
-                        "to 0 or call .eval() on it.") from e
-                # An operation without a vmap batching rule that fails batched: one sample at a time instead.
+                # An operation without a vmap batching rule that fails batched: one sample at a time instead
+                # (random operations then cannot reproduce the batch's draws: the output check refuses them).
                 logger.info("module %s (%s): vmap failed (%s); replaying one sample at a time", label,
                             type(module).__name__, str(e).splitlines()[0][:200])
-                grads, outs = _loop(one, args_b, kwargs_b, cots, (arg_dims, kwarg_dims), B)
+                with replayed_rng(call.rng):
+                    grads, outs = _loop(one, args_b, kwargs_b, cots, (arg_dims, kwarg_dims), B)
         for j, (got, want) in enumerate(zip(outs, call.outputs, strict=True)):
             got = got.reshape(want.shape)
             if not _close(got, want):
@@ -163,7 +189,8 @@ class GenericKind(LayerKind):
                     f"module {label} ({type(module).__name__}): replaying its forward one sample at a time does not "
                     f"reproduce output {j} of the real forward pass (max difference "
                     f"{(got.double() - want.double()).abs().max().item():.3g}). Its per-sample gradients would be "
-                    "wrong, so fastdp stops. Causes: randomness in forward (dropout: set it to 0), a forward that "
+                    "wrong, so fastdp stops. Causes: randomness in forward that the replay cannot reproduce (dropout "
+                    "on a transposed or batch-mixed layout: set it to 0 or call .eval()), a forward that "
                     "mixes the samples of a batch (batch statistics), state changed between forward and backward "
                     "(a cache: pass use_cache=False), or an input without a batch dimension whose leading size "
                     "equals the batch size.")
