@@ -5,6 +5,8 @@ Public entry points:
 * :class:`fastdp.PrivacyEngine` -- per-sample clipping (ghost norm / instantiation / bias-only, book-keeping)
   plus Gaussian noise and privacy accounting, attached to any ``torch.optim`` optimizer.
 * :mod:`fastdp.accounting` -- RDP, PRV and GDP-CLT accountants and noise calibration.
+* :mod:`fastdp.data` -- Poisson sampling (sampler, loader wrapper) and virtual batches.
+* :mod:`fastdp.validate` -- find what prevents private training (``find_problems``) and fix BatchNorm (``fix``).
 """
 
 from __future__ import annotations
@@ -15,19 +17,20 @@ __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
+_ENGINE_NAMES = ("PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError")
+_SUBMODULES = ("accounting", "data", "validate", "bitfit")
 
 
 def __getattr__(name: str):
     # Imported lazily so that `fastdp.accounting` works without importing torch-heavy engine code.
-    if name == "PrivacyEngine":
-        from fastdp.engine import PrivacyEngine
+    import importlib
 
-        return PrivacyEngine
-    if name == "accounting":
-        import importlib
-
-        return importlib.import_module("fastdp.accounting")
+    if name in _ENGINE_NAMES:
+        return getattr(importlib.import_module("fastdp.engine"), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fastdp.{name}")
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "accounting", "__version__"]
+__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "accounting", "data", "validate",
+           "__version__"]

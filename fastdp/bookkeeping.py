@@ -22,6 +22,7 @@ and so are the factors applied to the captured tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,21 @@ class ClipConfig:
     thresholds: Sequence[float]  # R_k per group
     group_of: dict[nn.Parameter, int]  # parameter -> group index
     mean_reduction: bool
+    on_nonfinite: str = "raise"  # "raise" or "zero" (clipping factor 0 for samples with non-finite gradients)
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Some sample's per-sample gradient contains NaN or infinity."""
+
+
+@dataclass
+class BackwardResult:
+    """What one backward pass contributes: ``sum_i C_i g_i`` per parameter, the number of samples, and how many of
+    them had non-finite gradients (given clipping factor 0 under ``on_nonfinite="zero"``)."""
+
+    sums: dict[nn.Parameter, torch.Tensor]
+    batch_size: int
+    nonfinite: int = 0
 
 
 def _batch_size(records: list[Record]) -> int:
@@ -89,7 +105,8 @@ def _batch_size(records: list[Record]) -> int:
 
 
 def _norm_sq(t: torch.Tensor) -> torch.Tensor:
-    return t.flatten(1).square().sum(dim=1)
+    """``||t_i||^2`` per sample of a ``(B, *shape)`` tensor (``shape`` may be empty: a scalar parameter)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).square().sum(dim=1)
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
@@ -142,26 +159,54 @@ def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str
 
 
 def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
-                 cfg: ClipConfig) -> dict[nn.Parameter, torch.Tensor]:
+                 cfg: ClipConfig) -> BackwardResult:
     """``sum_i C_i g_i`` per parameter for one backward pass (see the module docstring).
 
     Args:
         records: the calls whose output gradients arrived in this backward pass.
         param_of: ``(id(module), attribute name) -> parameter``.
-        cfg: clipping mode, function, per-group thresholds and groups, loss reduction.
+        cfg: clipping mode, function, per-group thresholds and groups, loss reduction, non-finite policy.
 
     Returns:
-        parameter -> clipped sum, shape ``param.shape``, in at least float32.
+        the clipped sums (parameter -> tensor of ``param.shape``, in at least float32) and the batch size.
+
+    Raises:
+        NonFiniteGradientError: a sample's gradient has NaN/inf and ``cfg.on_nonfinite == "raise"``.
     """
     if not records:
-        return {}
+        return BackwardResult({}, 0)
+    try:
+        return _clipped_sums(records, param_of, cfg)
+    finally:
+        for rec in records:
+            rec.ctx = None
+
+
+def _sanitize(rec: Record, bad: torch.Tensor) -> None:
+    """Zero sample rows flagged ``bad`` in a record (its captured tensors, or a generic kind's gradients)."""
+    def zero_rows(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != len(bad):
+            return t
+        return torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype), t)
+
+    if not rec.kind.replayable:  # generic: its context holds the per-sample gradients
+        rec.ctx = {n: zero_rows(g) for n, g in rec.ctx.items()}
+        return
+    rec.grads = [zero_rows(g) for g in rec.grads]
+    rec.activation = zero_rows(rec.activation)
+    rec.ctx = None
+
+
+def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
+                  cfg: ClipConfig) -> BackwardResult:
     B = _batch_size(records)
     scale = float(B) if cfg.mean_reduction else 1.0
     mode = cfg.mode
 
     uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
     for rec in records:
-        rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+        if rec.ctx is None:
+            rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
         for name in sorted(rec.names):
             uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
 
@@ -194,6 +239,21 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
     for param, sq in norm_sq.items():
         k = cfg.group_of[param]
         group_sq[k] = group_sq[k] + sq if k in group_sq else sq
+    if group_sq:
+        total_sq = sum(group_sq.values())
+        bad = ~torch.isfinite(total_sq)
+        if bool(bad.any()):
+            idx = bad.nonzero().flatten().tolist()
+            if cfg.on_nonfinite != "zero":
+                raise NonFiniteGradientError(
+                    f"the per-sample gradients of samples {idx[:10]}{'...' if len(idx) > 10 else ''} of this batch "
+                    "(positions in the physical batch) contain NaN or infinity. Nothing was released. Fix the "
+                    "model or data (e.g. a log of 0, an overflow in half precision), or build the engine with "
+                    "on_nonfinite='zero' to give such samples clipping factor 0 (still private).")
+            for rec in records:
+                _sanitize(rec, bad)
+            result = _clipped_sums(records, param_of, cfg)
+            return BackwardResult(result.sums, result.batch_size, len(idx))
     coefs: dict[int, torch.Tensor] = {}
     for k, sq in group_sq.items():
         norms = sq.clamp(min=0).sqrt() * scale
@@ -219,6 +279,4 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
         for k, group_names in by_group.items():
             for n, g in _replay_grads(rec, group_names, coefs[k]).items():
                 _add(out, param_of[(id(rec.module), n)], g)
-    for rec in records:
-        rec.ctx = None
-    return {p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}
+    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B)

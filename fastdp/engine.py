@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -32,15 +33,25 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastdp import accounting
-from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, Record, clipped_sums
+from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, NonFiniteGradientError, Record, clipped_sums
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
 from fastdp.layers import generic, kind_for
 from fastdp.layers.base import LayerKind, autocast_state
-from fastdp.noise import noisy_mean
+from fastdp.noise import noisy_mean, secure_noisy_mean
 
 logger = logging.getLogger(__name__)
 
 LOSS_REDUCTIONS = ("mean", "sum")
+ON_NONFINITE = ("raise", "zero")
+#: logical steps after which identical batch sizes trigger the "not Poisson-sampled" warning
+POISSON_CHECK_STEPS = 8
+STATE_VERSION = 1
+
+_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers some engine is attached to
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """The next step would take epsilon above the engine's ``target_epsilon`` (with ``enforce_budget=True``)."""
 
 
 def default_delta(sample_size: int) -> float:
@@ -92,7 +103,15 @@ class PrivacyEngine:
         accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"`` (an approximation).
         loss_reduction: ``"mean"`` if the loss averages the per-sample losses over the physical batch, ``"sum"``
             if it adds them.
-        noise_generator: a ``torch.Generator`` on the parameters' device to draw the noise from.
+        noise_generator: a ``torch.Generator`` on the parameters' device to draw the noise from (its state is
+            saved by :meth:`state_dict`, so a resumed run continues the same noise stream).
+        secure_mode: draw the noise from generators seeded by the operating system's CSPRNG at every step, as the
+            sum of four Gaussians divided by two (floating-point attack mitigation); see docs/security.md. About
+            15-35x slower noise; no ``noise_generator``.
+        enforce_budget: with ``target_epsilon``, a step that would take epsilon above it raises
+            :class:`PrivacyBudgetExceeded` before anything is released.
+        on_nonfinite: ``"raise"`` (default): a sample whose gradient has NaN/inf stops the step with an error;
+            ``"zero"``: such samples get clipping factor 0 (still private), counted in ``nonfinite_samples``.
     """
 
     def __init__(
@@ -113,6 +132,9 @@ class PrivacyEngine:
         accountant: str = "prv",
         loss_reduction: str = "mean",
         noise_generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        enforce_budget: bool = False,
+        on_nonfinite: str = "raise",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -136,6 +158,16 @@ class PrivacyEngine:
         if noise_generator is not None and not isinstance(noise_generator, torch.Generator):
             raise ValueError(f"noise_generator must be a torch.Generator, got {type(noise_generator).__name__}")
         self.noise_generator = noise_generator
+        self.secure_mode = bool(secure_mode)
+        if self.secure_mode and noise_generator is not None:
+            raise ValueError("secure_mode=True draws noise from the OS CSPRNG; do not pass a noise_generator")
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of {list(ON_NONFINITE)}")
+        self.on_nonfinite = on_nonfinite
+        if enforce_budget and target_epsilon is None:
+            raise ValueError("enforce_budget=True needs target_epsilon (the budget to enforce)")
+        self.enforce_budget = bool(enforce_budget)
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
         self.accountant = accounting.make_accountant(accountant)
         self.target_delta = default_delta(sample_size) if target_delta is None else float(target_delta)
         if not 0.0 < self.target_delta < 1.0:
@@ -143,6 +175,7 @@ class PrivacyEngine:
         if self.target_delta >= 1.0 / sample_size:
             warnings.warn(f"target_delta={self.target_delta:g} is not below 1/sample_size={1 / sample_size:g}; "
                           "such a delta allows releasing a whole record. Use a smaller delta.", stacklevel=2)
+        self._planned_steps: int | None = None  # steps the calibration guarantees within target_epsilon
         self.noise_multiplier = self._resolve_sigma(noise_multiplier, target_epsilon, epochs, steps)
         self.model = model
         self.clipping_style = clipping_style
@@ -160,6 +193,11 @@ class PrivacyEngine:
         self._detached_now: list[list[nn.Parameter]] = []
         self._forward_batch: list[int | None] = []  # batch size of the model's forward calls in progress
         self._rng_stack: list[Any] = []  # RNG states at the start of the generic owners' calls in progress
+        self._step_samples = 0  # samples seen by the backward passes of the current logical step
+        self._backward_seen = False  # a backward pass reached the hooks since the last step
+        self._logical_sizes: list[int] = []  # logical batch sizes of the first steps (Poisson check)
+        self._budget_verified = self._planned_steps or 0  # steps known to stay within target_epsilon
+        self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
         self.optimizer: torch.optim.Optimizer | None = None
 
     def _configure_groups(self) -> None:
@@ -169,7 +207,8 @@ class PrivacyEngine:
         group_of = {self._trainable[n]: k for k, g in enumerate(groups) for n in g}
         self._clip_cfg = ClipConfig(mode=self.clipping_mode, clip_fn=self._clip_fn,
                                     thresholds=[group_threshold(self.max_grad_norm, len(groups))] * len(groups),
-                                    group_of=group_of, mean_reduction=self.loss_reduction == "mean")
+                                    group_of=group_of, mean_reduction=self.loss_reduction == "mean",
+                                    on_nonfinite=self.on_nonfinite)
 
     # ------------------------------------------------------------------ construction helpers
     def _resolve_sigma(self, noise_multiplier: float | None, target_epsilon: float | None,
@@ -191,6 +230,7 @@ class PrivacyEngine:
                              f"(got epochs={epochs!r}, steps={steps!r})")
         sigma = accounting.get_noise_multiplier(target_epsilon, self.target_delta, self.sample_rate,
                                                 steps=steps, epochs=epochs, accountant=self.accountant.name)
+        self._planned_steps = steps if steps is not None else accounting.steps_from_epochs(epochs, self.sample_rate)
         logger.info("calibrated noise_multiplier=%.4f for epsilon=%g, delta=%g, q=%g (%s)", sigma, target_epsilon,
                     self.target_delta, self.sample_rate, self.accountant.name)
         return float(sigma)
@@ -275,10 +315,14 @@ class PrivacyEngine:
             raise RuntimeError("this PrivacyEngine is already attached to an optimizer; call detach() first")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if optimizer in _ATTACHED:
+            raise RuntimeError("this optimizer is already attached to another PrivacyEngine; detach() that engine "
+                               "first (one engine per optimizer, or its gradients would be noised twice)")
         self._check_optimizer(optimizer, allow_frozen=False)
         self.optimizer = optimizer
         self._install_hooks()
         self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+        _ATTACHED.add(optimizer)
         logger.info("attached: %d trainable tensors in %d hooked modules, mode %s, sigma=%g",
                     len(self._trainable), len(self._hooked), self.clipping_mode, self.noise_multiplier)
 
@@ -353,6 +397,8 @@ class PrivacyEngine:
         self._pending.clear()
         self._summed.clear()
         self._anchors.clear()
+        if self.optimizer is not None:
+            _ATTACHED.discard(self.optimizer)
         self.optimizer = None
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer, *, allow_frozen: bool) -> None:
@@ -520,10 +566,18 @@ class PrivacyEngine:
         self._pending = [r for r in self._pending if not r.reached]
         self._in_bookkeeping = True  # GhostClip's replay calls the modules again: no hooks for that
         try:
-            sums = clipped_sums(done, self._param_of, self._clip_cfg)
+            result = clipped_sums(done, self._param_of, self._clip_cfg)
+        except NonFiniteGradientError as e:
+            raise NonFiniteGradientError(f"step {self.steps + 1}: {e}") from None
         finally:
             self._in_bookkeeping = False
-        for p, s in sums.items():
+        self._backward_seen = True
+        self._step_samples += result.batch_size
+        if result.nonfinite:
+            self.nonfinite_samples += result.nonfinite
+            logger.warning("step %d: %d sample(s) with non-finite gradients got clipping factor 0 (%d so far)",
+                           self.steps + 1, result.nonfinite, self.nonfinite_samples)
+        for p, s in result.sums.items():
             acc = self._summed.get(p)
             self._summed[p] = s if acc is None else acc + s
 
@@ -535,10 +589,19 @@ class PrivacyEngine:
                                "loss.backward() yourself, then optimizer.step()")
         self._check_optimizer(optimizer, allow_frozen=True)
         self._check_trainable_unchanged()
+        if not self._backward_seen and not self._empty_step:
+            raise RuntimeError(
+                "optimizer.step() without a backward pass since the last step: nothing to release. Call "
+                "loss.backward() first. For an empty batch (normal under Poisson sampling) run the forward and "
+                "backward on it anyway (fastdp handles batch size 0), or call engine.empty_step().")
+        self._check_budget()
         self._pending.clear()  # forward calls that never got a backward pass
         std = self.noise_multiplier * self.max_grad_norm
         for p in self._trainable.values():
-            p.grad = noisy_mean(p, self._summed.pop(p, None), std, self.batch_size, self.noise_generator)
+            if self.secure_mode:
+                p.grad = secure_noisy_mean(p, self._summed.pop(p, None), std, self.batch_size)
+            else:
+                p.grad = noisy_mean(p, self._summed.pop(p, None), std, self.batch_size, self.noise_generator)
         trainable = {id(p) for p in self._trainable.values()}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -548,17 +611,73 @@ class PrivacyEngine:
         self.steps += 1
         if self.noise_multiplier > 0:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self._check_poisson(self._step_samples)
+        self._step_samples = 0
+        self._backward_seen = False
+
+    _empty_step = False
+
+    def empty_step(self) -> None:
+        """Take a step for an empty logical batch without a forward pass: noise only, counted by the accountant.
+
+        Under Poisson sampling a batch can be empty; running the model on a batch of size 0 does the same.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("empty_step() needs an attached optimizer")
+        if self._summed or self._backward_seen:
+            raise RuntimeError("empty_step() after a backward pass: the batch is not empty; call optimizer.step()")
+        self._empty_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._empty_step = False
+
+    def _check_poisson(self, size: int) -> None:
+        if len(self._logical_sizes) >= POISSON_CHECK_STEPS:
+            return
+        self._logical_sizes.append(size)
+        if (len(self._logical_sizes) == POISSON_CHECK_STEPS and len(set(self._logical_sizes)) == 1
+                and self.batch_size >= 5 and self.sample_rate < 1):
+            warnings.warn(
+                f"the first {POISSON_CHECK_STEPS} logical batches all had exactly {size} samples, which looks like "
+                "fixed-size batches (a plain shuffled DataLoader). The reported epsilon assumes Poisson sampling "
+                "(each example joins each batch independently with probability batch_size/sample_size); with "
+                "fixed-size batches it does not hold as stated. Use fastdp.data.poisson_loader (docs/data.md).",
+                stacklevel=4)
+
+    def _check_budget(self) -> None:
+        if not self.enforce_budget or self.noise_multiplier == 0:
+            return
+        nxt = self.steps + 1
+        if nxt <= self._budget_verified:
+            return
+        trial = accounting.make_accountant(self.accountant.name)
+        trial.load_state_dict(self.accountant.state_dict())
+        trial.step(self.noise_multiplier, self.sample_rate)
+        eps = float(trial.get_epsilon(self.target_delta))
+        if eps > self.target_epsilon:
+            raise PrivacyBudgetExceeded(
+                f"step {nxt} would take epsilon to {eps:.4g} > target_epsilon={self.target_epsilon:g} "
+                f"(delta={self.target_delta:g}, {self.accountant.name}); nothing was released. Stop training, or "
+                "build the engine with a larger budget.")
+        self._budget_verified = nxt
 
     def _check_trainable_unchanged(self) -> None:
         now = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if now != set(self._trainable):
             frozen = sorted(set(self._trainable) - now)
             unfrozen = sorted(now - set(self._trainable))
+            # this step's accumulated sums belong to a stale trainable set: drop them (nothing is released)
+            self._summed.clear()
+            self._pending.clear()
+            self._backward_seen = False
+            self._step_samples = 0
             raise RuntimeError(
                 "the model's trainable parameters changed since the engine read them "
                 f"(frozen: {frozen[:5]}{'...' if len(frozen) > 5 else ''}, "
-                f"unfrozen: {unfrozen[:5]}{'...' if len(unfrozen) > 5 else ''}); nothing was released. Call "
-                "engine.update_trainable() after freezing or unfreezing parameters, before the next backward pass.")
+                f"unfrozen: {unfrozen[:5]}{'...' if len(unfrozen) > 5 else ''}); nothing was released and this "
+                "step's gradients were discarded. Call engine.update_trainable() after freezing or unfreezing "
+                "parameters, before the next backward pass.")
 
     # ------------------------------------------------------------------ reporting
     def get_privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
@@ -577,6 +696,49 @@ class PrivacyEngine:
             eps = float(self.accountant.get_epsilon(delta))
         return {"epsilon": eps, "delta": delta, "accountant": self.accountant.name, "steps": self.steps}
 
+    # ------------------------------------------------------------------ checkpoints
+    def _config(self) -> dict[str, Any]:
+        style = self.clipping_style if isinstance(self.clipping_style, str) else [list(g) for g in self._groups]
+        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                "batch_size": self.batch_size, "sample_size": self.sample_size, "max_grad_norm": self.max_grad_norm,
+                "clipping_fn": self.clipping_fn, "clipping_style": style, "clipping_mode": self.clipping_mode,
+                "loss_reduction": self.loss_reduction, "target_delta": self.target_delta,
+                "accountant": self.accountant.name, "secure_mode": self.secure_mode}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume privately: step count, accountant history, noise generator state, and the
+        privacy configuration (checked on load). Save it with the model's and optimizer's state dicts."""
+        if self._summed:
+            raise RuntimeError("state_dict() with gradients accumulated for the next step: save after "
+                               "optimizer.step()")
+        return {"version": STATE_VERSION, "steps": self.steps, "accountant": self.accountant.state_dict(),
+                "noise_generator": None if self.noise_generator is None else self.noise_generator.get_state(),
+                "config": self._config(), "logical_sizes": list(self._logical_sizes),
+                "nonfinite_samples": self.nonfinite_samples, "budget_verified": self._budget_verified}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`. The engine must be built with the same privacy configuration
+        (noise multiplier, sample rate, clipping, accountant, delta); a mismatch raises ValueError naming it."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else None
+            raise ValueError(f"not a fastdp PrivacyEngine state (version {got!r}, expected {STATE_VERSION})")
+        mine, theirs = self._config(), state["config"]
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: saved {a!r}, this engine {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"the saved engine state has a different privacy configuration ({detail}); build the "
+                             "engine with the saved configuration to resume")
+        if state["noise_generator"] is not None:
+            if self.noise_generator is None:
+                raise ValueError("the saved state has a noise generator state; build the engine with "
+                                 "noise_generator=torch.Generator(...) to resume the same noise stream")
+            self.noise_generator.set_state(state["noise_generator"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.steps = int(state["steps"])
+        self._logical_sizes = list(state.get("logical_sizes", []))
+        self.nonfinite_samples = int(state.get("nonfinite_samples", 0))
+        self._budget_verified = max(self._budget_verified, int(state.get("budget_verified", 0)))
+
     @property
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         """Name -> parameter, the engine's trainable set (a copy)."""
@@ -589,4 +751,4 @@ class PrivacyEngine:
                 f"accountant={self.accountant.name!r}, steps={self.steps})")
 
 
-__all__ = ["PrivacyEngine", "default_delta"]
+__all__ = ["NonFiniteGradientError", "PrivacyBudgetExceeded", "PrivacyEngine", "default_delta"]

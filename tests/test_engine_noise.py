@@ -116,7 +116,7 @@ def test_noise_std_float32_and_float64(dtype):
     engine = make_engine(model, batch_size=B, R=R, sigma=sigma, mode="BK-MixOpt")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     engine.attach(opt)
-    opt.step()  # empty logical batch: noise only
+    engine.empty_step()  # empty logical batch: noise only
     g = _released(model)
     for v in g.values():
         assert v.dtype == dtype
@@ -168,7 +168,7 @@ def test_empty_step_no_backward(mode):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     engine.attach(opt)
     before = [p.detach().clone() for p in model.parameters()]
-    opt.step()  # no backward at all
+    engine.empty_step()  # no backward at all
     for p, b in zip(model.parameters(), before, strict=True):
         assert p.grad is not None, "empty step must release a (zero + noise) gradient"
         assert torch.count_nonzero(p.grad) == 0
@@ -178,7 +178,7 @@ def test_empty_step_no_backward(mode):
     user_loss(mse_per_sample(model(x), y), "mean").backward()
     opt.step()
     opt.zero_grad()
-    opt.step()
+    engine.empty_step()
     for p in model.parameters():
         assert p.grad is not None and torch.count_nonzero(p.grad) == 0, "stale gradient leaked into empty step"
 
@@ -239,7 +239,9 @@ def test_empty_batch_noise_and_accounting(kind):
         if kind == "zero_samples":
             x, y = torch.randn(0, 40, dtype=D), torch.randn(0, 50, dtype=D)
             user_loss(mse_per_sample(model(x), y), "sum").backward()
-        opt.step()
+            opt.step()
+        else:
+            engine.empty_step()
         g = _released(model)
         _check_std(torch.cat([v.flatten() for v in g.values()]), sigma * R / B, what=kind)
         opt.zero_grad()

@@ -28,8 +28,8 @@ import contextlib
 import logging
 import math
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
