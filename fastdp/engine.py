@@ -535,7 +535,12 @@ class PrivacyEngine:
                      autocast=call.autocast)
         call.grads.extend([None] * len(hooked))
         for k, j in enumerate(hooked):
-            new_leaves[j] = self._hook_output(new_leaves[j], rec, k)
+            out = new_leaves[j]
+            if out is leaves[j] and out.requires_grad:
+                # a new node: the hook must see only the gradient from outside the owner, not from uses of the same
+                # tensor inside its forward (T5 adds its returned position bias to its own attention scores)
+                out = out.view_as(out)
+            new_leaves[j] = self._hook_output(out, rec, k)
         self._pending.append(rec)
         return tree_unflatten(new_leaves, spec)
 

@@ -1,0 +1,124 @@
+"""timm models against the batch-of-one oracle (float64, 1e-6 relative): a small VisionTransformer (class token
+and position embedding are raw nn.Parameters on the root module, added / concatenated by broadcasting; fused qkv
+Linear; timm's LayerNorm subclass overrides forward; attention through F.scaled_dot_product_attention) and a
+ResNet whose norm layers are GroupNorm. A ResNet with its default BatchNorm in train mode is refused.
+
+Sizes: batches of 1, 3 or 4; ViT 16x16 images, patch 8 (4 patches + class token = 5 tokens), width 16, 2 heads,
+5 classes; ResNet 24x24 images, channels (4, 8, 8, 12), GroupNorm(2, c).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("torchvision")
+pytest.importorskip("timm")
+
+from model_oracle import D, check_engine, cls_loss  # noqa: E402
+from oracle import FNS, MODES, make_engine  # noqa: E402
+from timm.models.resnet import BasicBlock, ResNet  # noqa: E402
+from timm.models.vision_transformer import VisionTransformer  # noqa: E402
+from torch import nn  # noqa: E402
+
+C = 5
+
+
+def vit(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(img_size=16, patch_size=8, in_chans=3, num_classes=C, embed_dim=16, depth=2, num_heads=2,
+                mlp_ratio=1.5, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0)
+    args.update(kw)
+    model = VisionTransformer(**args).to(D)
+    with torch.no_grad():  # timm initialises them tiny (trunc_normal std 0.02 / 1e-6): make them matter
+        model.pos_embed.normal_(std=0.5)
+        if model.cls_token is not None:
+            model.cls_token.normal_()
+        model.head.weight.normal_(std=0.3)
+    return model
+
+
+def gn2(num_channels, **kw):
+    """torch's GroupNorm with 2 groups (timm drops positional arguments of a functools.partial norm_layer)."""
+    return nn.GroupNorm(2, num_channels, **kw)
+
+
+def resnet_gn(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(num_classes=C, in_chans=3, channels=(4, 8, 8, 12), stem_width=4,
+                norm_layer=gn2, zero_init_last=False)
+    args.update(kw)
+    return ResNet(BasicBlock, [1, 1, 1, 1], **args).to(D)
+
+
+def images(sizes, seed, hw):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(n, 3, hw, hw, generator=g, dtype=D),), torch.randint(0, C, (n,), generator=g))
+            for n in sizes]
+
+
+CONFIGS = [
+    ("BK-MixOpt", "abadi", "all-layer", "mean", [3, 1]),
+    ("BK-ghost", "automatic", "layer-wise", "sum", [4]),
+    ("ghost", "abadi", "param-wise", "mean", [1]),
+    ("instantiate", "automatic", "all-layer", "sum", [3]),
+    ("BK-MixGhostClip", "global", "layer-wise", "mean", [3, 4]),
+]
+IDS = [c[0] for c in CONFIGS]
+
+
+def test_vit_has_raw_parameters():
+    model = vit()
+    names = [n for n, _ in model.named_parameters()]
+    assert "cls_token" in names and "pos_embed" in names
+    assert tuple(model.pos_embed.shape) == (1, 5, 16)
+    assert type(model.blocks[0].norm1).forward is not nn.LayerNorm.forward  # timm's LayerNorm overrides forward
+
+
+@pytest.mark.parametrize("mode,fn,style,reduction,sizes", CONFIGS, ids=IDS)
+def test_vit(mode, fn, style, reduction, sizes):
+    check_engine(vit(1), cls_loss, images(sizes, 2, 16), mode=mode, fn=fn, style=style, reduction=reduction,
+                 where="below" if sizes == [1] else "middle")
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate"])
+def test_vit_avg_pool_register_tokens_no_class_token(mode):
+    """global_pool="avg", no class token, one register token (another raw parameter), position embedding
+    without the class token (no_embed_class)."""
+    model = vit(3, class_token=False, global_pool="avg", reg_tokens=1, no_embed_class=True)
+    assert model.cls_token is None and model.reg_token is not None
+    with torch.no_grad():
+        model.reg_token.normal_()
+    check_engine(model, cls_loss, images([3, 1], 4, 16), mode=mode, fn="automatic", style="layer-wise",
+                 reduction="sum")
+
+
+@pytest.mark.parametrize("mode,fn,style,reduction,sizes", CONFIGS, ids=IDS)
+def test_resnet_groupnorm(mode, fn, style, reduction, sizes):
+    check_engine(resnet_gn(5), cls_loss, images(sizes, 6, 24), mode=mode, fn=fn, style=style, reduction=reduction,
+                 where="below" if sizes == [1] else "middle")
+
+
+def test_resnet_with_batchnorm_is_refused():
+    torch.manual_seed(7)
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=C, channels=(4, 8, 8, 12), stem_width=4).to(D)
+    bn_names = [n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert bn_names[0] == "bn1"
+    with pytest.raises(ValueError, match="BatchNorm") as e:
+        make_engine(model, batch_size=4)
+    assert any(repr(n) in str(e.value) or n in str(e.value) for n in bn_names), str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["all-layer", "layer-wise", "param-wise"])
+@pytest.mark.parametrize("mode,fn", list(itertools.product(MODES, FNS)))
+@pytest.mark.parametrize("name", ["vit", "resnet"])
+def test_timm_full_grid_slow(name, mode, fn, style):
+    if name == "vit":
+        model, data = vit(10), images([3, 1], 11, 16)
+    else:
+        model, data = resnet_gn(12), images([3, 1], 13, 24)
+    red = ["mean", "sum"][(MODES.index(mode) + FNS.index(fn)) % 2]
+    check_engine(model, cls_loss, data, mode=mode, fn=fn, style=style, reduction=red)
