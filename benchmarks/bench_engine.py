@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.vocab, args.d, args.layers, args.T, args.B, args.reps, args.warmup = 500, 32, 1, 16, 4, 3, 1
     torch.set_num_threads(args.threads)
+    # fixed-size batches on purpose (timing): silence the engine's "not Poisson-sampled" warning
+    warnings.filterwarnings("ignore", message=".*Poisson.*")
     args.passthrough = [f"--vocab={args.vocab}", f"--d={args.d}", f"--layers={args.layers}", f"--heads={args.heads}",
                         f"--T={args.T}", f"--B={args.B}", f"--mem-steps={args.mem_steps}",
                         f"--threads={args.threads}"]
