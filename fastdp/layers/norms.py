@@ -1,4 +1,5 @@
-"""Normalisation layers with an elementwise affine: LayerNorm, RMSNorm, GroupNorm, InstanceNorm1d/2d/3d.
+"""Normalisation layers with an elementwise affine: LayerNorm, RMSNorm, GroupNorm, InstanceNorm1d/2d/3d, and
+BatchNorm1d/2d/3d in eval mode (frozen running statistics).
 
 Each computes ``y = x_hat * weight + bias`` where ``x_hat`` is the input normalised *per sample* (so these layers
 never mix samples). With output gradient ``G_i``, the per-sample gradients are
@@ -108,3 +109,22 @@ class InstanceNormKind(_ChannelNormKind):
         if use_input_stats:
             return F.instance_norm(x, None, None, None, None, True, 0.0, module.eps)
         return F.instance_norm(x, module.running_mean, module.running_var, None, None, False, 0.0, module.eps)
+
+
+@register
+class BatchNormEvalKind(_ChannelNormKind):
+    """BatchNorm in eval mode: it normalises with its frozen running statistics, a per-sample operation, so its
+    affine parameters train like GroupNorm's (e.g. DP-BiTFiT of a pretrained CNN). Train mode is refused."""
+
+    module_types = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+    def unsupported_reason(self, module: nn.Module) -> str | None:
+        if module.training:
+            return "train mode normalises with the batch's statistics, which mixes samples; call .eval() on it"
+        if not module.track_running_stats or module.running_mean is None:
+            return ("track_running_stats=False normalises with the batch's statistics even in eval mode, which "
+                    "mixes samples; replace it with GroupNorm (fastdp.validate.fix)")
+        return None
+
+    def normalize(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, module.running_mean, module.running_var, None, None, False, 0.0, module.eps)
