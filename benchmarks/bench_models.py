@@ -5,6 +5,9 @@ Models:
 
 * ``gpt2``: Hugging Face ``GPT2LMHeadModel`` (Conv1D layers, LM head tied to the word embedding, position ids of
   shape (1, T) broadcast over the batch), scaled for a 2-core CPU by default: vocab 8000, d 256, 4 layers, 4 heads.
+* ``vit``: timm ``VisionTransformer`` (patch 16, ``--d`` wide, ``--layers`` deep, class token and position
+  embedding as raw parameters), images ``--image-size`` square, 10 classes.
+* ``resnet``: timm ResNet-18 layout with GroupNorm (``--image-size`` images, 10 classes).
 
 Method (same as ``bench_engine.py``): every configuration gets its own model and optimizer in this process; after
 warm-up they take turns, one step each, for ``--reps`` rounds; we report median step times and ratios to
@@ -52,7 +55,20 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
                                       n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(cfg)
+    import timm
+
+    if args.model == "vit":
+        return timm.models.vision_transformer.VisionTransformer(
+            img_size=args.image_size, patch_size=16, embed_dim=args.d, depth=args.layers, num_heads=args.heads,
+            num_classes=10)
+    if args.model == "resnet":
+        return timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=10,
+                                         norm_layer=_group_norm)
     raise ValueError(f"unknown model {args.model!r}")
+
+
+def _group_norm(num_channels: int, **kwargs: object) -> torch.nn.Module:
+    return torch.nn.GroupNorm(min(32, num_channels), num_channels)
 
 
 def build(args: argparse.Namespace, config: str, seed: int = 0):
@@ -72,16 +88,25 @@ def build(args: argparse.Namespace, config: str, seed: int = 0):
     return model, opt
 
 
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
-    logits = model(input_ids=ids[:, :-1]).logits
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = data
+    if x.dtype == torch.long:  # language model: next-token prediction
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    else:
+        loss = F.cross_entropy(model(x), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def batch(args: argparse.Namespace) -> torch.Tensor:
-    return torch.randint(0, args.vocab, (args.B, args.T + 1), generator=torch.Generator().manual_seed(1))
+def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if args.model == "gpt2":
+        ids = torch.randint(0, args.vocab, (args.B, args.T + 1), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+    x = torch.randn(args.B, 3, args.image_size, args.image_size, generator=g)
+    return x, torch.randint(0, 10, (args.B,), generator=g)
 
 
 def time_all(args: argparse.Namespace, configs: list[str]) -> dict[str, list[float]]:
@@ -110,9 +135,20 @@ def memory_one(args: argparse.Namespace, config: str) -> dict[str, float]:
     return {"growth_mb": (peak - before) / 2**20}
 
 
+def describe(args: argparse.Namespace) -> str:
+    if args.model == "gpt2":
+        return (f"HF GPT-2 from config (vocab {args.vocab}, d {args.d}, {args.layers} layers, {args.heads} heads), "
+                f"T {args.T}")
+    if args.model == "vit":
+        return (f"timm ViT (patch 16, d {args.d}, {args.layers} layers, {args.heads} heads), "
+                f"{args.image_size}x{args.image_size} images")
+    return f"timm ResNet-18 with GroupNorm, {args.image_size}x{args.image_size} images"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt2", choices=["gpt2"])
+    p.add_argument("--model", default="gpt2", choices=["gpt2", "vit", "resnet"])
+    p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--d", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -130,10 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.vocab, args.d, args.layers, args.T, args.B, args.reps, args.warmup = 300, 32, 1, 16, 4, 3, 1
+        args.image_size = 32
     torch.set_num_threads(args.threads)
     # fixed-size batches on purpose (timing): silence the engine's "not Poisson-sampled" warning
     warnings.filterwarnings("ignore", message=".*Poisson.*")
-    passthrough = [f"--model={args.model}", f"--vocab={args.vocab}", f"--d={args.d}", f"--layers={args.layers}",
+    passthrough = [f"--model={args.model}", f"--image-size={args.image_size}", f"--vocab={args.vocab}",
+                   f"--d={args.d}", f"--layers={args.layers}",
                    f"--heads={args.heads}", f"--T={args.T}", f"--B={args.B}", f"--mem-steps={args.mem_steps}",
                    f"--threads={args.threads}"]
     if args.memory_of:
@@ -148,8 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             mem[c] = json.loads(res.stdout.strip().splitlines()[-1])
     base_t = statistics.median(times["non-private"])
     base_m = mem.get("non-private", {}).get("growth_mb")
-    lines = [f"Model: HF {args.model} from config (vocab {args.vocab}, d {args.d}, {args.layers} layers, "
-             f"{args.heads} heads), T {args.T}, B {args.B}; {args.reps} alternating repetitions after "
+    lines = [f"Model: {describe(args)}, B {args.B}; {args.reps} alternating repetitions after "
              f"{args.warmup} warm-up steps, torch {torch.__version__}, {torch.get_num_threads()} threads.",
              "",
              "| configuration | median step (ms) | time ratio | peak memory growth (MB) | memory ratio |",
@@ -162,12 +199,13 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {c} | {1000 * t:.1f} | {t / base_t:.2f}x | {mtxt} | {mratio} |")
     text = "\n".join(lines)
     print(text)
-    out = ROOT / "benchmarks" / "results" / f"models_cpu_{args.model}_T{args.T}.json"
+    size = f"T{args.T}" if args.model == "gpt2" else f"img{args.image_size}"
+    out = ROOT / "benchmarks" / "results" / f"models_cpu_{args.model}_{size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "times_s": times, "memory": mem}, indent=1))
     if args.write_docs:
         write_docs(text, "python benchmarks/bench_models.py " + " ".join(argv or sys.argv[1:]),
-                   tag=f"{args.model}-T{args.T}-B{args.B}-d{args.d}")
+                   tag=f"{args.model}-{size}-B{args.B}-d{args.d}")
 
 
 if __name__ == "__main__":
