@@ -388,3 +388,10 @@ def test_trainable_set_fixed_at_construction():
         model, ce_per_sample, [(tok, y)], mode="BK-MixOpt", fn="abadi", batch_size=4, style=[["1.bias"], ["1.weight"]]
     )
     assert model[0].weight.grad is None
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_recurrent_layer_not_batch_first_is_refused(cls):
+    model = nn.Sequential(cls(3, 4))
+    with pytest.raises(ValueError, match="batch_first=True"):
+        _engine(model)

@@ -68,6 +68,8 @@ def unsupported_reason(module: nn.Module) -> str | None:
     if isinstance(module, nn.MultiheadAttention) and not module.batch_first:
         return ("batch_first=False: fastdp needs the batch dimension first; build it with batch_first=True (and "
                 "nn.TransformerEncoderLayer/DecoderLayer with batch_first=True)")
+    if isinstance(module, nn.RNNBase) and not module.batch_first:
+        return "batch_first=False: fastdp needs the batch dimension first; build it with batch_first=True"
     return None
 
 
