@@ -560,7 +560,10 @@ class PrivacyEngine:
                 f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
                 "sample may contribute once per logical step. Do not call backward twice on one graph "
                 "(retain_graph=True) under a PrivacyEngine.")
-        rec.grads[k] = grad.detach()
+        grad = grad.detach()
+        if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
+            grad = rec.kind.reduce_without_activation(rec.module, grad)
+        rec.grads[k] = grad
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

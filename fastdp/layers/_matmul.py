@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fastdp.layers._factored import Factors
-from fastdp.layers.base import LayerKind
+from fastdp.layers.base import LayerKind, to_accumulation
 
 
 def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
@@ -70,6 +70,14 @@ class OuterProductKind(LayerKind):
 
     def ghost_names(self, module: nn.Module) -> frozenset[str]:
         return frozenset({"weight"})
+
+    def position_dims(self, grad_output: torch.Tensor) -> tuple[int, ...]:
+        """The positions of an output gradient (Linear-like ``(B, *, p)``: the middle dimensions)."""
+        return tuple(range(1, grad_output.dim() - 1))
+
+    def reduce_without_activation(self, module: nn.Module, grad_output: torch.Tensor) -> torch.Tensor:
+        dims = self.position_dims(grad_output)
+        return to_accumulation(grad_output).sum(dim=dims, keepdim=True) if dims else grad_output
 
     def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
         return prefers_ghost(*ctx)

@@ -103,6 +103,12 @@ class LayerKind:
         """Kind-specific canonical form of a recorded call, shared by the operations below."""
         raise NotImplementedError
 
+    def reduce_without_activation(self, module: nn.Module, grad_output: torch.Tensor) -> torch.Tensor:
+        """Shrink an output gradient as it arrives when no activation was kept (bias-only training, DP-BiTFiT):
+        sum it over positions, keeping the dimensions, so the engine holds ``B x p`` instead of ``B x T x p`` until
+        the backward pass ends. :meth:`prepare` must accept the result. Default: unchanged."""
+        return grad_output
+
     def ghost_names(self, module: nn.Module) -> frozenset[str]:
         """Parameter names that have a ghost norm."""
         return frozenset()

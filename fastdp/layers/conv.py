@@ -54,6 +54,9 @@ class ConvKind(_matmul.OuterProductKind):
             x = F.pad(x, pad, mode=mode)
         return x
 
+    def position_dims(self, grad_output: torch.Tensor) -> tuple[int, ...]:
+        return tuple(range(2, grad_output.dim()))  # (B, C, *spatial)
+
     def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
         n = len(module.kernel_size)
         if grad_output.dim() != n + 2:

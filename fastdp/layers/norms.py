@@ -38,6 +38,10 @@ class _AffineNormKind(LayerKind):
     def needs_activation(self, module: nn.Module, trainable: frozenset[str]) -> bool:
         return "weight" in trainable
 
+    def reduce_without_activation(self, module: nn.Module, grad_output: torch.Tensor) -> torch.Tensor:
+        dims = self.reduce_dims(module, grad_output)
+        return to_accumulation(grad_output).sum(dim=dims, keepdim=True) if dims else grad_output
+
     def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
         G = to_accumulation(grad_output)
         x_hat = None
@@ -61,6 +65,8 @@ class _TrailingNormKind(_AffineNormKind):
 @register
 class LayerNormKind(_TrailingNormKind):
     module_types = (nn.LayerNorm,)
+    # timm's LayerNorm overrides forward only to call F.layer_norm (or its fused equivalent): the same function
+    module_type_names = ("timm.layers.norm.LayerNorm",)
 
     def normalize(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
