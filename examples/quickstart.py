@@ -113,13 +113,15 @@ def train(x_tr, y_tr, x_te, y_te, *, epsilon: float | None, args) -> dict:
     loss_fn = nn.CrossEntropyLoss()  # reduction="mean"
     sampler = torch.Generator().manual_seed(args.seed + 2)
     for idx in poisson_batches(n, q, steps, sampler):
-        if len(idx) > 0:
-            loss = loss_fn(model(x_tr[idx]), y_tr[idx])
-            loss.backward()
-        elif engine is None:
-            continue  # non-private: nothing to learn from an empty batch
-        # An empty Poisson batch under the engine: no backward at all; step() releases pure
-        # noise / batch_size, which is what the accounting assumes for that step.
+        if len(idx) == 0:
+            if engine is not None:
+                # An empty Poisson batch: there is nothing to back-propagate, but the accounting
+                # counts this step, so release pure noise / batch_size with empty_step().
+                engine.empty_step()
+                optimizer.zero_grad()
+            continue
+        loss = loss_fn(model(x_tr[idx]), y_tr[idx])
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     seconds = time.perf_counter() - t0

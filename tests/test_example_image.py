@@ -4,8 +4,10 @@
   lukemelas-style key names of the same shapes: every tensor loads, a shape or kind mismatch is refused (needs
   timm, not the weights package). With the weights package installed, its real key order is checked too.
 * The idx parser on tiny synthetic files (no dependency).
-* The engine on the example's model (random weights, BatchNorm in eval mode, trainable BatchNorm shifts, with and
-  without DP-BiTFiT-Add): the released gradient equals the clipped per-sample gradients summed by brute force.
+* Splitting timm's BatchNormAct2d into BatchNorm2d + activation: same outputs, same parameters, a native layer.
+* The engine on the example's model (random weights, BatchNorm in eval mode, trainable BatchNorm shifts; split or
+  fused BatchNormAct2d, with and without DP-BiTFiT-Add): the released gradient equals the clipped per-sample
+  gradients summed by brute force.
 * A smoke run of a few steps, skipped when timm, the weights package or the data is missing.
 """
 
@@ -200,7 +202,7 @@ def test_preprocess_and_dataset():
 
 
 # ------------------------------------------------------------------------------------------------ engine
-def bitfit_lite0(add_biases: bool) -> nn.Module:
+def bitfit_lite0(add_biases: bool, fused_bn: bool = False) -> nn.Module:
     """The example's model recipe with random weights (no weights package needed)."""
     from fastdp.bitfit import add_missing_biases, freeze_all_but_bias
 
@@ -212,6 +214,8 @@ def bitfit_lite0(add_biases: bool) -> nn.Module:
                 m.running_var.uniform_(0.5, 2.0)
                 m.bias.uniform_(-0.5, 0.5)
     model.reset_classifier(4)
+    if not fused_bn:
+        ic.split_batchnorm_act(model)
     if add_biases:
         added = add_missing_biases(model)
         assert "conv_stem" in added and "conv_head" in added
@@ -221,6 +225,30 @@ def bitfit_lite0(add_biases: bool) -> nn.Module:
     freeze_all_but_bias(model, keep=(ic.HEAD,))
     ic.set_train_mode(model)
     return model
+
+
+@needs_timm
+def test_split_batchnorm_act():
+    from timm.layers.norm_act import BatchNormAct2d
+
+    from fastdp.layers import kind_for
+
+    model = bitfit_lite0(add_biases=False, fused_bn=True).eval()
+    fused = [m for m in model.modules() if type(m) is BatchNormAct2d]
+    assert len(fused) == 49 and kind_for(fused[0]) is None  # its own forward: the generic path
+    params = {id(p) for p in model.parameters()}
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = model(x)
+    replaced = ic.split_batchnorm_act(model)
+    assert len(replaced) == 49 and "bn1" in replaced and "blocks.0.0.bn1" in replaced
+    assert not any(type(m) is BatchNormAct2d for m in model.modules())
+    assert {id(p) for p in model.parameters()} == params  # the same nn.Parameter objects
+    assert len(model.state_dict()) == 296
+    bn = model.get_submodule("blocks.0.0.bn1.bn")
+    assert type(bn) is nn.BatchNorm2d and kind_for(bn) is not None and not bn.training
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
 
 
 @needs_timm
@@ -238,13 +266,14 @@ def test_set_train_mode_keeps_batchnorm_frozen():
 
 
 @needs_timm
-@pytest.mark.parametrize("add_biases", [False, True])
-def test_engine_clips_eval_batchnorm_bitfit_exactly(add_biases):
-    """BatchNorm in eval mode with a trainable shift is accepted, and the released gradient (sigma = 0) is the sum
-    of the per-sample gradients clipped to R, computed one sample at a time by autograd."""
+@pytest.mark.parametrize(("add_biases", "fused_bn"), [(False, False), (True, False), (False, True)])
+def test_engine_clips_eval_batchnorm_bitfit_exactly(add_biases, fused_bn):
+    """BatchNorm in eval mode with a trainable shift is accepted (natively when split, on the generic path when
+    fused), and the released gradient (sigma = 0) is the sum of the per-sample gradients clipped to R, computed one
+    sample at a time by autograd."""
     import fastdp
 
-    model = bitfit_lite0(add_biases)
+    model = bitfit_lite0(add_biases, fused_bn)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     torch.manual_seed(2)
     x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 3, 1])

@@ -1,0 +1,223 @@
+"""Workloads and methods of the benchmark harness (``benchmarks/run.py``).
+
+A *workload* is a model family, a size (sequence length T for text, image side for images), a batch size and a
+preset (``cpu``: scaled for a 2-core CPU; ``paper``: GPT-2 small / RoBERTa-base / ViT-Base widths for a GPU). Every
+model is built from a config with random weights: nothing is downloaded.
+
+A *method* is how one training step is taken:
+
+* ``non-private``: ordinary PyTorch training of every parameter;
+* ``non-private BiTFiT``: ordinary training of the biases only;
+* ``fastdp <mode>``: fastdp's ``PrivacyEngine`` with that ``clipping_mode`` (``BK-MixOpt`` is the default);
+* ``DP-BiTFiT``: fastdp's default mode on the biases only;
+* ``Opacus hooks`` / ``Opacus ghost``: Opacus 1.6 (``benchmarks/opacus_runner.py``), per-sample gradients
+  instantiated by hooks, or its two-backward ghost clipping.
+
+Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
+same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TEXT_MODELS = ("gpt2", "roberta")
+IMAGE_MODELS = ("vit", "resnet")
+MODELS = TEXT_MODELS + IMAGE_MODELS
+FASTDP_MODES = ("BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate")
+METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
+           "Opacus hooks", "Opacus ghost")
+DEFAULT_METHOD = "fastdp BK-MixOpt"
+DEFAULT_SIZES = {"gpt2": (64, 256, 1024), "roberta": (64, 256, 1024), "vit": (32, 64, 128),
+                 "resnet": (32, 64, 128)}
+#: (vocab or classes, width d, layers, heads, ViT patch) per preset
+WIDTHS = {
+    "cpu": {"gpt2": (8000, 256, 4, 4, 0), "roberta": (8000, 256, 4, 4, 0), "vit": (10, 192, 4, 3, 8),
+            "resnet": (10, 0, 0, 0, 0)},
+    "paper": {"gpt2": (50257, 768, 12, 12, 0), "roberta": (50265, 768, 12, 12, 0), "vit": (10, 768, 12, 12, 16),
+              "resnet": (10, 0, 0, 0, 0)},
+}
+
+
+class Unsupported(Exception):
+    """A method cannot run a workload; the message says why (shown in the results as "not supported")."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model at one size. ``size`` is T (text) or the image side (images)."""
+
+    model: str
+    size: int
+    batch: int
+    preset: str = "cpu"
+
+    @property
+    def is_text(self) -> bool:
+        return self.model in TEXT_MODELS
+
+    @property
+    def tag(self) -> str:
+        return f"{self.model}-{'T' if self.is_text else 'img'}{self.size}-B{self.batch}"
+
+    @property
+    def tokens(self) -> int:
+        """Sequence length seen by the transformer blocks (ViT: patches + class token; ResNet: 0)."""
+        if self.is_text:
+            return self.size
+        if self.model == "vit":
+            return (self.size // WIDTHS[self.preset]["vit"][4]) ** 2 + 1
+        return 0
+
+    @property
+    def is_transformer(self) -> bool:
+        return self.model in ("gpt2", "roberta", "vit")
+
+    def describe(self) -> str:
+        vocab, d, layers, heads, patch = WIDTHS[self.preset][self.model]
+        if self.model == "gpt2":
+            return f"HF GPT-2 LM (vocab {vocab}, d {d}, {layers} layers, {heads} heads, tied head), T {self.size}"
+        if self.model == "roberta":
+            return f"HF RoBERTa classifier (vocab {vocab}, d {d}, {layers} layers, {heads} heads), T {self.size}"
+        if self.model == "vit":
+            return (f"timm ViT (patch {patch}, d {d}, {layers} layers, {heads} heads), {self.size}x{self.size} "
+                    f"images ({self.tokens} tokens)")
+        return f"timm ResNet-18 with GroupNorm, {self.size}x{self.size} images"
+
+
+def default_batch(model: str, size: int, preset: str) -> int:
+    """Batch sizes that keep a CPU step around a second: B·T = 2048 tokens for text."""
+    if preset == "paper":
+        return {"gpt2": 16, "roberta": 32}.get(model, 64) if model in TEXT_MODELS else 64
+    if model in TEXT_MODELS:
+        return max(2, 2048 // size)
+    return {32: 16, 64: 8}.get(size, 4)
+
+
+def make_model(w: Workload) -> nn.Module:
+    """Build the workload's model from its config, random weights, in train mode."""
+    vocab, d, layers, heads, patch = WIDTHS[w.preset][w.model]
+    if w.model in TEXT_MODELS:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        if w.model == "gpt2":
+            cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=max(w.size, 16), n_embd=d, n_layer=layers,
+                                          n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            model = transformers.GPT2LMHeadModel(cfg)
+        else:
+            cfg = transformers.RobertaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers,
+                                             num_attention_heads=heads, intermediate_size=4 * d,
+                                             max_position_embeddings=w.size + 2, num_labels=2,
+                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+            model = transformers.RobertaForSequenceClassification(cfg)
+    elif w.model == "vit":
+        import timm
+
+        model = timm.models.vision_transformer.VisionTransformer(
+            img_size=w.size, patch_size=patch, embed_dim=d, depth=layers, num_heads=heads, num_classes=vocab)
+    elif w.model == "resnet":
+        import timm
+
+        model = timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=vocab,
+                                          norm_layer=_group_norm)
+    else:
+        raise ValueError(f"unknown model {w.model!r}; choose from {MODELS}")
+    return model.train()
+
+
+def _group_norm(num_channels: int, **kwargs: object) -> nn.Module:
+    return nn.GroupNorm(min(32, num_channels), num_channels)
+
+
+def forward_fn(w: Workload) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``forward(model, inputs) -> logits``."""
+    if w.is_text:
+        return lambda m, x: m(input_ids=x).logits
+    return lambda m, x: m(x)
+
+
+def task(w: Workload) -> str:
+    """``"lm"`` (logits (B, T, V), targets (B, T)) or ``"cls"`` (logits (B, C), targets (B,))."""
+    return "lm" if w.model == "gpt2" else "cls"
+
+
+def make_batch(w: Workload, device: torch.device, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed synthetic batch ``(inputs, targets)`` on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = WIDTHS[w.preset][w.model][0]
+    if w.model == "gpt2":
+        ids = torch.randint(0, vocab, (w.batch, w.size + 1), generator=g)
+        x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    elif w.model == "roberta":
+        x = torch.randint(3, vocab, (w.batch, w.size), generator=g)
+        y = torch.randint(0, 2, (w.batch,), generator=g)
+    else:
+        x = torch.randn(w.batch, 3, w.size, w.size, generator=g)
+        y = torch.randint(0, vocab, (w.batch,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def loss_fn(w: Workload) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if task(w) == "lm":
+        return lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy
+
+
+def make_step(w: Workload, method: str, device: torch.device, seed: int = 0,
+              lr: float = 1e-4) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
+    """Build the model and optimizer of one method and return ``step(batch)``: one full training step.
+
+    Raises:
+        Unsupported: the method cannot run this workload (the message says why).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    torch.manual_seed(seed)
+    model = make_model(w).to(device)
+    if "BiTFiT" in method:
+        from fastdp.bitfit import freeze_all_but_bias
+
+        freeze_all_but_bias(model)
+    forward, loss = forward_fn(w), loss_fn(w)
+    if method.startswith("Opacus"):
+        from opacus_runner import OpacusUnsupported, make_opacus_step
+
+        try:
+            opacus_step = make_opacus_step(model, method.split()[1], task=task(w), batch_size=w.batch,
+                                           sample_size=100 * w.batch, noise_multiplier=1.0, max_grad_norm=1.0,
+                                           lr=lr, forward=forward)
+        except OpacusUnsupported as e:
+            raise Unsupported(str(e)) from e
+
+        def checked_step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+            try:  # some refusals only show on the first step
+                opacus_step(data)
+            except OpacusUnsupported as e:
+                raise Unsupported(str(e)) from e
+
+        return checked_step
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    if method.startswith("fastdp") or method == "DP-BiTFiT":
+        from fastdp import PrivacyEngine
+
+        mode = method.split()[1] if method.startswith("fastdp") else "BK-MixOpt"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = PrivacyEngine(model, batch_size=w.batch, sample_size=100 * w.batch, noise_multiplier=1.0,
+                                   max_grad_norm=1.0, clipping_mode=mode, accountant="rdp")
+        engine.attach(opt)
+
+    def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = data
+        loss(forward(model, x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
