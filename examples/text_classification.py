@@ -25,7 +25,7 @@ Install (once) and run::
     python examples/text_classification.py                 # about 10 minutes on a 2-core CPU
     python examples/text_classification.py --quick         # about 1 minute: a subset, shorter sequences
     python examples/text_classification.py --full          # adds DP full fine-tuning
-    python examples/text_classification.py --epochs 3 --epsilon 8 --batch-size 1024 --seed 1
+    python examples/text_classification.py --epochs 3 --epsilon 8 --batch-size 256 --seed 1
 
 The DP-specific lines are the engine's construction and ``engine.attach(optimizer)``; batches are drawn by Poisson
 sampling (``fastdp.data.poisson_loader``) and each logical batch is split into physical micro-batches
@@ -392,7 +392,7 @@ def train(setting: Setting, train_data: Encoded, test_data: Encoded, path: Path,
     loader = poisson_loader(IndexDataset(n), batch_size=args.batch_size, steps=steps,
                             generator=torch.Generator().manual_seed(args.seed + 2))
     lengths = [len(s) for s in train_data.ids]
-    model.train()  # dropout on, as in ordinary fine-tuning
+    model.train()  # training mode (dropout, if --dropout > 0)
     for index in progress(loader, total=steps, desc=setting.name, enabled=not args.no_progress):
         # Sort the logical batch by length so that each physical micro-batch is padded only to its own longest
         # sequence (each sample is still clipped on its own, wherever it lands).
@@ -431,14 +431,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
-                      help="about one minute: 1,500 training / 1,000 test reviews, max length 32, 2 epochs")
+                      help="about one minute: 1,000 training / 500 test reviews, max length 32, batch 64, 1 epoch")
     mode.add_argument("--smoke", action="store_true",
                       help="a few seconds of training: 100 training / 64 test reviews, 2 steps (for tests)")
     parser.add_argument("--full", action="store_true", help="also run DP full fine-tuning (all parameters)")
     parser.add_argument("--epsilon", type=float, default=3.0, help="target epsilon of the DP runs")
-    parser.add_argument("--epochs", type=float, default=None, help="epochs (default 1.5; 2 with --quick)")
+    parser.add_argument("--epochs", type=float, default=None, help="epochs (default 1)")
     parser.add_argument("--batch-size", type=int, default=None,
-                        help="expected (Poisson) logical batch size (default 512; 128 with --quick)")
+                        help="expected (Poisson) logical batch size (default 128; 64 with --quick)")
     parser.add_argument("--physical-batch-size", type=int, default=64,
                         help="rows per forward/backward pass (virtual batches); memory, not results")
     parser.add_argument("--max-length", type=int, default=None,
@@ -462,8 +462,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
     presets = {  # (epochs, batch size, max length, train size, test size)
-        "default": (1.5, 512, 64, None, None),
-        "quick": (2.0, 128, 32, 1500, 1000),
+        "default": (1.0, 128, 64, None, None),
+        "quick": (1.0, 64, 32, 1000, 500),
         "smoke": (1.0, 50, 16, 100, 64),
     }
     epochs, batch_size, max_length, train_size, test_size = presets[
