@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastdp import accounting
 from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, NonFiniteGradientError, Record, clipped_sums
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
-from fastdp.layers import generic, kind_for
+from fastdp.layers import expand, generic, kind_for
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
 
@@ -193,6 +193,11 @@ class PrivacyEngine:
         self._detached_now: list[list[nn.Parameter]] = []
         self._forward_batch: list[int | None] = []  # batch size of the model's forward calls in progress
         self._rng_stack: list[Any] = []  # RNG states at the start of the generic owners' calls in progress
+        # verified expansions of the generic owners' calls in progress (None: the call is replayed)
+        self._expand_stack: list[expand.ExpandedCall | None] = []
+        self._expand_off: set[int] = set()  # owners whose expansion failed verification once: always replayed
+        #: owner label -> {"expanded": calls, "replayed": calls} of the generic path (inspectable; see docs/engine.md)
+        self.generic_stats: dict[str, dict[str, int]] = {}
         self._step_samples = 0  # samples seen by the backward passes of the current logical step
         self._backward_seen = False  # a backward pass reached the hooks since the last step
         self._logical_sizes: list[int] = []  # logical batch sizes of the first steps (Poisson check)
@@ -336,7 +341,11 @@ class PrivacyEngine:
             params = [self._param_of[(id(module), n)] for n in sorted(names)]
             hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
             if kind is generic.GENERIC:
-                hooks.append(module.register_forward_pre_hook(self._generic_pre, with_kwargs=True))
+                exp = {n: self._param_of[(id(module), n)] for n in sorted(names)}
+                if not all("." not in n and expand.expandable(p) for n, p in exp.items()):
+                    exp = None
+                hooks.append(module.register_forward_pre_hook(partial(self._generic_pre, expand=exp),
+                                                              with_kwargs=True))
                 hook = partial(self._generic_hook, names=names, label=mname or "<root>")
             else:
                 needs_act = capture_all or kind.needs_activation(module, names)
@@ -448,6 +457,10 @@ class PrivacyEngine:
     def _restore_params(self) -> None:
         while self._detached_now:
             self._end_call()
+        while self._expand_stack:
+            call = self._expand_stack.pop()
+            if call is not None:
+                call.end(None)
 
     def _outside_use(self, name: str, grad: torch.Tensor) -> None:
         raise RuntimeError(
@@ -503,12 +516,28 @@ class PrivacyEngine:
         """Forward hook of a generic owner: keep its inputs, expand broadcast outputs, hook every output."""
         self._end_call()
         rng = self._rng_stack.pop() if self._rng_stack else None
+        exp = self._expand_stack.pop() if self._expand_stack else None
+        leaves, spec = tree_flatten(output)
+        replaced = False
+        if exp is not None:
+            new = exp.end(None if output is None else leaves)
+            if new is not None and any(a is not b for a, b in zip(new, leaves, strict=True)):
+                leaves, replaced = new, True  # a tainted output: the unmodified forward's value instead
         if self._in_bookkeeping or not torch.is_grad_enabled() or output is None:
-            return None  # (output is None when the forward raised)
+            # (output is None when the forward raised)
+            return tree_unflatten(leaves, spec) if replaced else None
         B = self._batch()
         if B is None:
             B = generic.first_batch_size(args, kwargs)
-        leaves, spec = tree_flatten(output)
+        if exp is not None and exp.verified and exp.batch != B:
+            exp.reason = f"batch size {exp.batch} at the call's start, {B} at its end"
+        if exp is not None and not exp.verified:
+            self._expand_off.add(id(module))
+            logger.info("module %r (%s): expansion of %s not verified (%s); its parameters are replayed per sample "
+                        "from now on", label, type(module).__name__, list(exp.names), exp.reason)
+        expanded = exp is not None and exp.verified
+        stats = self.generic_stats.setdefault(label, {"expanded": 0, "replayed": 0})
+        stats["expanded" if expanded else "replayed"] += 1
         new_leaves = list(leaves)
         hooked: list[int] = []
         for j, leaf in enumerate(leaves):
@@ -522,6 +551,8 @@ class PrivacyEngine:
             elif leaf.requires_grad:
                 new_leaves[j] = leaf.view_as(leaf)
                 new_leaves[j].register_hook(partial(self._unattributable, label, j))
+        if expanded:
+            return self._expanded_record(module, exp, names, label, leaves, new_leaves, spec)
         if B is None or not hooked:
             raise RuntimeError(
                 f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
@@ -544,9 +575,36 @@ class PrivacyEngine:
         self._pending.append(rec)
         return tree_unflatten(new_leaves, spec)
 
-    def _generic_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep the random number generators' state, so the per-sample replay draws the same dropout masks."""
+    def _expanded_record(self, module: nn.Module, exp: expand.ExpandedCall, names: frozenset[str], label: str,
+                         leaves: list[Any], new_leaves: list[Any], spec: Any) -> Any:
+        """A verified expansion: the gradients reaching the expansions ``E`` (shape ``(B, *rest)``) are the
+        per-sample gradients. Nothing of the call is kept (no inputs, no outputs): the record only waits for them."""
+        call = generic.GenericCall(args=(), kwargs={}, in_dims=((), {}), batch=exp.batch, leaf_index=[], outputs=[],
+                                   names=tuple(sorted(names)), label=label, autocast=autocast_state(),
+                                   expanded=exp.names)
+        rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
+                     autocast=call.autocast)
+        call.grads.extend([None] * len(exp.names))
+        for k, n in enumerate(exp.names):
+            exp.expanded[n].register_hook(partial(self._on_output_grad, rec, k))
+        self._pending.append(rec)
+        changed = any(a is not b for a, b in zip(new_leaves, leaves, strict=True))
+        return tree_unflatten(new_leaves, spec) if changed else None
+
+    def _generic_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                     expand: dict[str, nn.Parameter] | None = None) -> None:
+        """Keep the random number generators' state, so the per-sample replay draws the same dropout masks; start
+        a verified expansion (:mod:`fastdp.layers.expand`) of the owner's broadcast parameters if it has them."""
         self._rng_stack.append(None if self._in_bookkeeping else generic.rng_state(args, kwargs))
+        call = None
+        if (expand and not self._in_bookkeeping and torch.is_grad_enabled() and id(module) not in self._expand_off
+                and all(module._parameters.get(n) is p for n, p in expand.items())):  # not a nested call of itself
+            B = self._batch()
+            if B is None:
+                B = generic.first_batch_size(args, kwargs)
+            if B is not None and B >= 1:
+                call = _start_expansion(module, expand, B, self._anchor)
+        self._expand_stack.append(call)
 
     @staticmethod
     def _unattributable(label: str, j: int, grad: torch.Tensor) -> None:
@@ -757,6 +815,19 @@ class PrivacyEngine:
                 f"noise_multiplier={self.noise_multiplier:.4g}, max_grad_norm={self.max_grad_norm:g}, "
                 f"clipping_mode={self.clipping_mode!r}, clipping_fn={self.clipping_fn!r}, "
                 f"accountant={self.accountant.name!r}, steps={self.steps})")
+
+
+def _start_expansion(module: nn.Module, params: dict[str, nn.Parameter], batch: int,
+                     anchor: Any) -> expand.ExpandedCall | None:
+    try:
+        call = expand.ExpandedCall(module, params, batch, anchor)
+        call.begin()
+    except Exception as e:  # noqa: BLE001 - never fatal: the call is replayed instead
+        logger.info("module %s: expansion not started (%s); replaying", type(module).__name__, e)
+        for n, p in params.items():
+            module._parameters[n] = p
+        return None
+    return call
 
 
 __all__ = ["NonFiniteGradientError", "PrivacyBudgetExceeded", "PrivacyEngine", "default_delta"]

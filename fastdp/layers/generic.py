@@ -102,6 +102,9 @@ class GenericCall:
     grads: list[torch.Tensor | None] = field(default_factory=list)  # filled by the backward pass
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     rng: Any = None  # (device, CPU generator state, CUDA generator state or None) at the start of the call
+    #: names whose per-sample gradients arrive in ``grads`` directly (verified expansion, fastdp.layers.expand):
+    #: ``grads[k]`` is the ``(B, *rest)`` gradient of ``expanded[k]``'s expansion; nothing is replayed
+    expanded: tuple[str, ...] = ()
 
 
 def rng_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -149,6 +152,8 @@ class GenericKind(LayerKind):
         call: GenericCall = activation
         names_l, label = sorted(call.names), repr(call.label)
         B = call.batch
+        if call.expanded:
+            return _expanded_grads(module, call)
         primals = {n: module.get_parameter(n).detach() for n in names_l}
         if B == 0:
             return {n: to_accumulation(p.new_zeros(0, *p.shape)) for n, p in primals.items()}
@@ -200,6 +205,23 @@ class GenericKind(LayerKind):
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         return ctx[name]
+
+
+def _expanded_grads(module: nn.Module, call: GenericCall) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of a verified expansion: the gradient ``(B, *rest)`` that reached
+    ``E = P.expand(B, *rest)`` in the backward pass (zeros if none reached it); row ``i`` is ``g_i`` of ``P`` (shape
+    ``(1, *rest)``), returned as ``(B, 1, *rest)``."""
+    if set(call.expanded) != set(call.names):  # pragma: no cover - the engine expands all or none
+        raise RuntimeError(f"module {call.label!r}: expanded {call.expanded} but owns {call.names}")
+    out = {}
+    for n, g in zip(call.expanded, call.grads, strict=True):
+        p = module.get_parameter(n)
+        want = (call.batch, *p.shape)
+        if g is None:
+            g = p.detach().new_zeros(want)
+        g = g.reshape(want)  # (B, *rest) -> (B, 1, *rest): one gradient of P's shape per sample
+        out[n] = to_accumulation(g)
+    return out
 
 
 def _loop(one: Any, args_b: Any, kwargs_b: Any, cots: tuple[torch.Tensor, ...], dims: tuple[Any, Any],
