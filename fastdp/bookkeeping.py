@@ -52,6 +52,10 @@ class Record:
     grads: list[torch.Tensor | None] = field(default_factory=lambda: [None])
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     ctx: Any = field(default=None, repr=False)
+    #: per-sample gradients instantiated when the output gradient arrived (:func:`instantiate_on_arrival`); the
+    #: activation and the output gradient are then dropped and ``batch`` holds the call's batch size
+    psg: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    batch: int | None = None
 
     @property
     def grad_output(self) -> torch.Tensor | None:
@@ -60,7 +64,7 @@ class Record:
     @property
     def reached(self) -> bool:
         """Whether the backward pass delivered a gradient to any of the call's outputs."""
-        return any(g is not None for g in self.grads)
+        return self.psg is not None or any(g is not None for g in self.grads)
 
 
 @dataclass
@@ -89,8 +93,56 @@ class BackwardResult:
     nonfinite: int = 0
 
 
+def use_ghost(kind: LayerKind, module: nn.Module, ctx: Any, name: str, mode: str) -> bool:
+    """Whether parameter ``name`` of a call gets its per-sample norm from the ghost norm (else by instantiation).
+
+    * ``"BK-ghost"``, ``"ghost"``: always, where the kind has a ghost norm; ``"instantiate"``: never.
+    * ``"BK-MixGhostClip"``: the paper's cost model, ghost when ``2 T^2 < p d`` (:meth:`LayerKind.prefers_ghost`).
+    * ``"BK-MixOpt"`` (default): the same, except that a per-sample gradient no larger than what book-keeping keeps
+      of the call anyway (``p d <= T (p + d)``, :meth:`LayerKind.instantiation_fits`) is instantiated: it is then
+      computed as the output gradient arrives and replaces the kept input and output gradient
+      (:func:`instantiate_on_arrival`), so it costs no memory, and it saves the ``T x T`` Gram matrices' time.
+    """
+    if name not in kind.ghost_names(module) or mode == "instantiate":
+        return False
+    if mode in ("BK-ghost", "ghost"):
+        return True
+    if not kind.prefers_ghost(module, ctx, name):
+        return False
+    return not (mode == "BK-MixOpt" and kind.instantiation_fits(module, ctx, name))
+
+
+#: modes whose clipped sum of instantiated parameters comes from the kept per-sample gradients
+ON_ARRIVAL_MODES = ("BK-MixOpt", "instantiate")
+
+
+def instantiate_on_arrival(rec: Record, mode: str) -> bool:
+    """When the output gradient of a layer-kind call arrives in the backward pass and none of its trainable
+    parameters gets the ghost norm (:func:`use_ghost`), compute their per-sample gradients now (``rec.psg``) and drop
+    the kept activation and output gradient, instead of holding both until the backward pass ends. Only in the
+    modes that use kept per-sample gradients for the clipped sum (``BK-MixOpt``, ``instantiate``). Exact: the same
+    per-sample gradients the end of the backward pass would compute. Returns whether it did."""
+    if (mode not in ON_ARRIVAL_MODES or rec.psg is not None or rec.activation is None or len(rec.grads) != 1
+            or rec.grads[0] is None or not rec.kind.replayable):
+        return False
+    kind, module = rec.kind, rec.module
+    ctx = kind.prepare(module, rec.activation, rec.grad_output)
+    names = sorted(rec.names)
+    if any(use_ghost(kind, module, ctx, n, mode) for n in names):
+        return False
+    rec.batch = kind.batch_size(rec.activation, rec.grad_output)
+    rec.psg = {n: kind.per_sample_grad(module, ctx, n) for n in names}
+    rec.activation, rec.grads = None, [None]
+    return True
+
+
+def _per_sample_grad(rec: Record, name: str) -> torch.Tensor:
+    return rec.psg[name] if rec.psg is not None else rec.kind.per_sample_grad(rec.module, rec.ctx, name)
+
+
 def _batch_size(records: list[Record]) -> int:
-    sizes = {id(r): r.kind.batch_size(r.activation, r.grad_output) for r in records}
+    sizes = {id(r): r.batch if r.psg is not None else r.kind.batch_size(r.activation, r.grad_output)
+             for r in records}
     distinct = set(sizes.values())
     if len(distinct) > 1:
         detail = ", ".join(f"{type(r.module).__name__}: {sizes[id(r)]}" for r in records)
@@ -124,7 +176,7 @@ def _shared_ghost_norm_sq(plist: list[tuple[Record, str]], mode: str) -> torch.T
     Chosen in the ghost modes and, in the mixed modes, when ``2 (sum_u T_u)^2 < g m n`` (the single-layer rule with
     all uses' positions together).
     """
-    if mode == "instantiate":
+    if mode == "instantiate" or any(r.psg is not None for r, _ in plist):
         return None
     facs = [r.kind.factors(r.module, r.ctx, n) for r, n in plist]
     if any(f is None for f in facs) or len({f.layout for f in facs}) != 1:
@@ -192,6 +244,9 @@ def _sanitize(rec: Record, bad: torch.Tensor) -> None:
     if not rec.kind.replayable:  # generic: its context holds the per-sample gradients
         rec.ctx = {n: zero_rows(g) for n, g in rec.ctx.items()}
         return
+    if rec.psg is not None:  # instantiated on arrival
+        rec.psg = {n: zero_rows(g) for n, g in rec.psg.items()}
+        return
     rec.grads = [zero_rows(g) for g in rec.grads]
     rec.activation = zero_rows(rec.activation)
     rec.ctx = None
@@ -205,7 +260,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
 
     uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
     for rec in records:
-        if rec.ctx is None:
+        if rec.ctx is None and rec.psg is None:
             rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
         for name in sorted(rec.names):
             uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
@@ -218,18 +273,16 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             if sq is not None:
                 norm_sq[param] = sq
                 continue
-            total = sum(r.kind.per_sample_grad(r.module, r.ctx, n) for r, n in plist)
+            total = sum(_per_sample_grad(r, n) for r, n in plist)
             norm_sq[param] = _norm_sq(total)
             kept[param] = total
             continue
         rec, name = plist[0]
         kind, module = rec.kind, rec.module
-        ghost_ok = name in kind.ghost_names(module)
-        if ghost_ok and (mode in ("BK-ghost", "ghost") or (
-                mode in ("BK-MixOpt", "BK-MixGhostClip") and kind.prefers_ghost(module, rec.ctx, name))):
+        if rec.psg is None and use_ghost(kind, module, rec.ctx, name, mode):
             norm_sq[param] = kind.ghost_norm_sq(module, rec.ctx, name)
         else:
-            psg = kind.per_sample_grad(module, rec.ctx, name)
+            psg = _per_sample_grad(rec, name)
             norm_sq[param] = _norm_sq(psg)
             if mode in ("BK-MixOpt", "instantiate") or not kind.replayable:
                 kept[param] = psg

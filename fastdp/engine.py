@@ -33,7 +33,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastdp import accounting
-from fastdp.bookkeeping import CLIPPING_MODES, ClipConfig, NonFiniteGradientError, Record, clipped_sums
+from fastdp.bookkeeping import (
+    CLIPPING_MODES,
+    ClipConfig,
+    NonFiniteGradientError,
+    Record,
+    clipped_sums,
+    instantiate_on_arrival,
+)
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
 from fastdp.layers import expand, generic, kind_for
 from fastdp.layers.base import LayerKind, autocast_state
@@ -613,7 +620,7 @@ class PrivacyEngine:
             "the owner's trainable parameters cannot be attributed to samples.")
 
     def _on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:
-        if rec.grads[k] is not None:
+        if rec.grads[k] is not None or rec.psg is not None:
             raise RuntimeError(
                 f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
                 "sample may contribute once per logical step. Do not call backward twice on one graph "
@@ -622,6 +629,8 @@ class PrivacyEngine:
         if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
             grad = rec.kind.reduce_without_activation(rec.module, grad)
         rec.grads[k] = grad
+        if rec.activation is not None:
+            instantiate_on_arrival(rec, self.clipping_mode)  # frees the kept tensors where that is cheaper
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

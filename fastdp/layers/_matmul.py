@@ -33,6 +33,13 @@ def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
     return 2 * T * T < p * d
 
 
+def instantiation_fits(A: torch.Tensor, G: torch.Tensor) -> bool:
+    """``p d <= T (p + d)``: a per-sample gradient ``(p, d)`` is no larger than the ``T`` rows of input ``d`` and
+    output gradient ``p`` that book-keeping keeps per sample (and per group)."""
+    T, d, p = A.shape[2], A.shape[3], G.shape[3]
+    return p * d <= T * (p + d)
+
+
 def per_sample_grad(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """Per-sample weight gradients ``(B, g, p, d)``."""
     return torch.einsum("bgtp,bgtd->bgpd", G, A)
@@ -81,6 +88,9 @@ class OuterProductKind(LayerKind):
 
     def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
         return prefers_ghost(*ctx)
+
+    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str) -> bool:
+        return name == "bias" or instantiation_fits(*ctx)
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         return ghost_norm_sq(*ctx)

@@ -117,6 +117,13 @@ class LayerKind:
         """Cost model: ``True`` when the ghost norm is cheaper than instantiating (2 T^2 < p d)."""
         return False
 
+    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str) -> bool:
+        """Whether the per-sample gradients of ``name`` take no more memory than what book-keeping keeps of this call
+        anyway (its input and output gradient). The default mode then instantiates them as soon as the output
+        gradient arrives and drops the kept tensors, which costs no memory and saves the ghost norm's time.
+        Default: ``False`` (only :meth:`prefers_ghost` decides)."""
+        return False
+
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``."""
         raise NotImplementedError
