@@ -205,6 +205,7 @@ class PrivacyEngine:
         self._expand_off: set[int] = set()  # owners whose expansion failed verification once: always replayed
         #: owner label -> {"expanded": calls, "replayed": calls} of the generic path (inspectable; see docs/engine.md)
         self.generic_stats: dict[str, dict[str, int]] = {}
+        self._on_arrival = True  # instantiation on arrival (bookkeeping.instantiate_on_arrival); off: benchmarks
         self._step_samples = 0  # samples seen by the backward passes of the current logical step
         self._backward_seen = False  # a backward pass reached the hooks since the last step
         self._logical_sizes: list[int] = []  # logical batch sizes of the first steps (Poisson check)
@@ -266,6 +267,7 @@ class PrivacyEngine:
         # (module name, module, kind, trainable parameter paths relative to the module)
         self._hooked: list[tuple[str, nn.Module, LayerKind, frozenset[str]]] = []
         self._param_of: dict[tuple[int, str], nn.Parameter] = {}
+        self._tied_modules: set[int] = set()
         covered: set[int] = set()
         in_subtree: set[int] = set()  # parameters owned by an ancestor's generic entry
         for mname, module in model.named_modules():
@@ -313,6 +315,12 @@ class PrivacyEngine:
                     self._param_of[(id(module), rel)] = p
                     covered.add(id(p))
                 self._hooked.append((mname, module, kind, frozenset(rel for rel, _ in plist)))
+        # modules holding a parameter that another module holds too (tied weights): their calls keep the kept
+        # tensors for the shared norm's ghost cross terms instead of instantiating on arrival
+        owners: dict[int, set[int]] = {}
+        for (mid, _), p in self._param_of.items():
+            owners.setdefault(id(p), set()).add(mid)
+        self._tied_modules = {mid for mids in owners.values() if len(mids) > 1 for mid in mids}
         missing = [n for n, p in self._trainable.items() if id(p) not in covered]
         if missing:  # pragma: no cover - every parameter is owned by some module
             raise ValueError(f"trainable parameters {missing} are not owned by any module")
@@ -629,7 +637,7 @@ class PrivacyEngine:
         if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
             grad = rec.kind.reduce_without_activation(rec.module, grad)
         rec.grads[k] = grad
-        if rec.activation is not None:
+        if rec.activation is not None and self._on_arrival and id(rec.module) not in self._tied_modules:
             instantiate_on_arrival(rec, self.clipping_mode)  # frees the kept tensors where that is cheaper
         if not self._callback_queued:
             self._callback_queued = True

@@ -166,3 +166,30 @@ def test_clipping_matters_here():
     loose = oracle_release(model, ce_per_sample, batches, fn="abadi", R=1e6, batch_size=5)
     diff = max(float((clipped[n] - loose[n]).abs().max()) for n in clipped)
     assert diff > 1e-3
+
+
+class TiedLM(nn.Module):
+    """Embedding -> Linear -> LM head tied to the embedding (GPT-2's layout, in small)."""
+
+    def __init__(self, vocab: int = 5, d: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(self.emb(ids))))
+
+
+@pytest.mark.parametrize("R", [0.05, 1e3])
+def test_tied_weights_keep_their_tensors_for_the_cross_terms(R, arrivals):
+    torch.manual_seed(2)
+    model = TiedLM().double()
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 12
+    ids = torch.randint(0, 5, (B, T), generator=g)
+    y = torch.randint(0, 5, (B, T), generator=g)
+    _check(model, [(ids, y)], B, "BK-MixOpt", R=R)
+    # the head and the embedding hold the tied weight: no on-arrival call for them; fc instantiates on arrival
+    assert arrivals[True] == 1 and arrivals[False] == 0
