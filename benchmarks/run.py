@@ -408,8 +408,10 @@ def plot(results: dict, stem: str) -> list[Path]:
             ax.set_title(title)
             ax.grid(True, which="both", alpha=0.3)
         axes[1].legend(fontsize=7, loc="best")
-        fig.suptitle(f"{wls[0]['describe'].split(', T')[0].split(', ')[0]} ({results['env']['device']}, "
-                     f"preset {results['config']['preset']})")
+        names = {"gpt2": "HF GPT-2 language model", "roberta": "HF RoBERTa classifier", "vit": "timm ViT",
+                 "resnet": "timm ResNet-18 with GroupNorm"}
+        fig.suptitle(f"{names[model]}: ratios to non-private training ({results['env']['device']}, preset "
+                     f"{results['config']['preset']}, {results['env']['date']})")
         fig.tight_layout()
         path = ROOT / "docs" / "img" / f"{stem}_{model}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
