@@ -13,7 +13,9 @@ The per-sample weight gradient of group ``j`` is ``g_i[j] = G_i[j]^T A_i[j]`` (`
   ``T x T`` Gram matrices per sample and group, never forming ``g_i``;
 * book-keeping clipped sum: ``sum_i c_i g_i = einsum('bgtp,bgtd->gpd', c * G, A)``, one contraction.
 
-The cost model picks the ghost norm when ``2 T^2 < p d`` (two Gram matrices against one per-sample gradient).
+The cost model picks the ghost norm when ``2 T^2 < p d`` (two Gram matrices against one per-sample gradient); the
+default mode also instantiates when ``p d <= T (p + d)`` (:func:`instantiation_fits`, see
+``fastdp.bookkeeping.use_ghost``).
 """
 
 from __future__ import annotations
