@@ -6,6 +6,8 @@ Public entry points:
   plus Gaussian noise and privacy accounting, attached to any ``torch.optim`` optimizer.
 * :mod:`fastdp.accounting` -- RDP, PRV and GDP-CLT accountants and noise calibration.
 * :mod:`fastdp.data` -- Poisson sampling (sampler, loader wrapper) and virtual batches.
+* :mod:`fastdp.losses` -- per-sample losses ``(B,)`` for language models and classifiers (use them instead of
+  Hugging Face's ``labels=``, whose token mean over the batch mixes samples).
 * :mod:`fastdp.validate` -- find what prevents private training (``find_problems``) and fix BatchNorm (``fix``).
 """
 
@@ -18,7 +20,7 @@ __version__ = "0.1.0"
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _ENGINE_NAMES = ("PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError")
-_SUBMODULES = ("accounting", "data", "validate", "bitfit")
+_SUBMODULES = ("accounting", "data", "validate", "bitfit", "losses")
 
 
 def __getattr__(name: str):
@@ -32,5 +34,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "accounting", "data", "validate",
-           "__version__"]
+__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "accounting", "data", "losses",
+           "validate", "__version__"]

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastdp import accounting
+from fastdp import accounting, hf_guard
 from fastdp.bookkeeping import (
     CLIPPING_MODES,
     ClipConfig,
@@ -372,6 +372,8 @@ class PrivacyEngine:
         for mname, module in root.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 hooks.append(module.register_forward_pre_hook(partial(self._batchnorm_guard, mname)))
+        # Hugging Face models called with labels=: their internal loss mixes samples (fastdp.hf_guard)
+        hooks.extend(hf_guard.install(root, self.loss_reduction))
         # registered last, so it runs after every other forward hook of the root
         hooks.append(root.register_forward_hook(self._root_post, always_call=True))
         self._handles.extend(hooks)
