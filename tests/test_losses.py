@@ -425,6 +425,7 @@ def test_labels_refused_when_hf_model_is_wrapped():
         model.m(input_ids=ids, attention_mask=mask, labels=labels)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers deprecation inside peft
 def test_labels_refused_through_peft():
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
