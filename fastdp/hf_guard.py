@@ -43,7 +43,8 @@ from torch import nn
 _IGNORE_INDEX = -100
 _CLASSIFIERS = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
                 "ForVideoClassification", "ForMultipleChoice")
-_INPUT_LABELS = ("input_labels", "input_boxes_labels")  # SAM-style point/box labels: inputs, not targets
+# not training targets: SAM-style point/box labels are inputs; num_labels is a count
+_INPUT_LABELS = ("input_labels", "input_boxes_labels", "num_labels")
 _params_cache: dict[type, tuple[str, ...]] = {}
 
 

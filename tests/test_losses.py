@@ -219,6 +219,16 @@ def test_helper_for(cls, enc_dec, helper):
     assert helper in hf_guard.helper_for(cls, enc_dec)
 
 
+@pytest.mark.parametrize("key,target", [
+    ("labels", True), ("label", True), ("start_positions", True), ("end_positions", True),
+    ("next_sentence_label", True), ("mc_labels", True), ("class_labels", True),
+    ("input_labels", False), ("input_boxes_labels", False), ("num_labels", False), ("input_ids", False),
+    ("position_ids", False), ("attention_mask", False),
+])
+def test_target_keys(key, target):
+    assert hf_guard._target_key(key) is target
+
+
 # =========================================================================== Hugging Face models
 
 transformers = pytest.importorskip("transformers")
