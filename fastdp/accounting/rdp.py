@@ -90,7 +90,8 @@ def _log_a_int(q: float, sigma: float, orders: np.ndarray) -> np.ndarray:
     # dominated the cost of a curve)
     for idx, alpha in enumerate(orders):
         a = int(alpha)
-        log_terms = lg_k[a] - lg_k[: a + 1] - lg_k[a::-1] + k_log_q[: a + 1] + (a - k[: a + 1]) * log_1mq + quad[: a + 1]
+        n = a + 1
+        log_terms = lg_k[a] - lg_k[:n] - lg_k[a::-1] + k_log_q[:n] + (a - k[:n]) * log_1mq + quad[:n]
         m = log_terms.max()
         out[idx] = m + math.log(np.exp(log_terms - m).sum())
     return out
