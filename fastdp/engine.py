@@ -769,7 +769,7 @@ class PrivacyEngine:
         loader drawing more than declared is refused before anything is released."""
         verdict = self._sampling.observe(self._step_samples)
         for msg in verdict.warnings:
-            warnings.warn(msg, stacklevel=5)
+            warnings.warn(msg, stacklevel=4)
         if verdict.refuse is not None:
             self._discard_step()
             raise RuntimeError(f"step {self.steps + 1} refused: {verdict.refuse}")
