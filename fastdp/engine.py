@@ -883,6 +883,11 @@ class PrivacyEngine:
         the history. Version-1 checkpoints (before the sample-rate monitor) load with the same checks; their
         sample-rate test restarts. A failed load leaves the engine unchanged.
         """
+        if self.steps > 0 or self._summed or self._backward_seen:
+            raise RuntimeError(
+                f"load_state_dict() on an engine that has already released {self.steps} step(s) (or holds "
+                "gradients for the next one): the checkpoint would replace their accounting. Load checkpoints into "
+                "a freshly built engine, before any backward pass.")
         version = state.get("version") if isinstance(state, dict) else None
         if version not in (1, STATE_VERSION):
             raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 or "

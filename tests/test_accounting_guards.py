@@ -353,6 +353,16 @@ def test_edited_checkpoints_refused(edit, field):
     assert engine.steps == 0 and engine.accountant.steps == 0  # unchanged
 
 
+def test_checkpoint_cannot_overwrite_released_steps():
+    state = _trained_state()
+    model = _model()
+    engine, opt = _engine(model)
+    _step(model, opt, 16)
+    with pytest.raises(RuntimeError, match="already released 1 step"):
+        engine.load_state_dict(state)
+    assert engine.steps == engine.accountant.steps == 1
+
+
 def test_budget_state_recomputed_not_trusted():
     kw = dict(noise_multiplier=None, target_epsilon=1.0, steps=10, enforce_budget=True, batch_size=16,
               sample_size=1000)
