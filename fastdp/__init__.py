@@ -29,10 +29,12 @@ def __getattr__(name: str):
 
     if name in _ENGINE_NAMES:
         return getattr(importlib.import_module("fastdp.engine"), name)
+    if name == "engines_on":
+        return importlib.import_module("fastdp.engine_registry").engines_on
     if name in _SUBMODULES:
         return importlib.import_module(f"fastdp.{name}")
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "accounting", "data", "losses",
-           "validate", "__version__"]
+__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "engines_on", "accounting", "data",
+           "losses", "validate", "__version__"]

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastdp import accounting, hf_guard
+from fastdp import accounting, engine_registry, hf_guard
 from fastdp.bookkeeping import (
     CLIPPING_MODES,
     ClipConfig,
@@ -45,14 +45,19 @@ from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
 from fastdp.layers import expand, generic, kind_for
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
+from fastdp.sampling_check import SampleRateMonitor
 
 logger = logging.getLogger(__name__)
 
 LOSS_REDUCTIONS = ("mean", "sum")
 ON_NONFINITE = ("raise", "zero")
-#: logical steps after which identical batch sizes trigger the "not Poisson-sampled" warning
-POISSON_CHECK_STEPS = 8
-STATE_VERSION = 1
+#: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier
+STATE_VERSION = 2
+#: attributes that are read-only once the engine is built (the privacy configuration and its accounting)
+_READ_ONLY = frozenset({
+    "noise_multiplier", "max_grad_norm", "batch_size", "sample_size", "sample_rate", "target_delta",
+    "target_epsilon", "enforce_budget", "clipping_fn", "clipping_style", "clipping_mode", "loss_reduction",
+    "accountant", "secure_mode", "noise_generator", "on_nonfinite", "model", "steps", "noiseless_steps"})
 
 _ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers some engine is attached to
 
@@ -208,10 +213,33 @@ class PrivacyEngine:
         self._on_arrival = True  # instantiation on arrival (bookkeeping.instantiate_on_arrival); off: benchmarks
         self._step_samples = 0  # samples seen by the backward passes of the current logical step
         self._backward_seen = False  # a backward pass reached the hooks since the last step
-        self._logical_sizes: list[int] = []  # logical batch sizes of the first steps (Poisson check)
         self._budget_verified = self._planned_steps or 0  # steps known to stay within target_epsilon
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
         self.optimizer: torch.optim.Optimizer | None = None
+        # steps released with noise_multiplier=0: not in the accountant (epsilon is infinite once there is one);
+        # invariant: steps == accountant.steps + noiseless_steps
+        self.noiseless_steps = 0
+        self._initial_sigma = self.noise_multiplier  # the constructed value (checked against checkpoints)
+        self._sampling = SampleRateMonitor(self.batch_size, self.sample_size)
+        others = engine_registry.conflicts(self._trainable.values())
+        if others:  # refused here already (friendlier than at attach)
+            raise RuntimeError(engine_registry.conflict_message(
+                self._trainable.values(), {id(p): n for n, p in self._trainable.items()}, others))
+        self._config_locked = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _READ_ONLY and self.__dict__.get("_config_locked", False):
+            if name == "noise_multiplier":
+                how = ("use engine.set_noise_multiplier(sigma): it takes effect at the next step and the "
+                       "accountant records the change")
+            elif name in ("steps", "noiseless_steps"):
+                how = "the engine counts the steps it releases; resume from a checkpoint with load_state_dict()"
+            else:
+                how = ("build a new PrivacyEngine (after old_engine.detach()); it starts a new privacy budget, so "
+                       "compose its epsilon with the old engine's yourself")
+            raise AttributeError(f"PrivacyEngine.{name} is read-only after construction: changing it silently "
+                                 f"would make the reported epsilon wrong. To change it, {how}.")
+        object.__setattr__(self, name, value)
 
     def _configure_groups(self) -> None:
         owner = {n: n.rpartition(".")[0] for n in self._trainable}
@@ -338,8 +366,13 @@ class PrivacyEngine:
         if optimizer in _ATTACHED:
             raise RuntimeError("this optimizer is already attached to another PrivacyEngine; detach() that engine "
                                "first (one engine per optimizer, or its gradients would be noised twice)")
+        others = engine_registry.conflicts(self._trainable.values(), exclude=self)
+        if others:
+            raise RuntimeError(engine_registry.conflict_message(
+                self._trainable.values(), {id(p): n for n, p in self._trainable.items()}, others))
         self._check_optimizer(optimizer, allow_frozen=False)
         self.optimizer = optimizer
+        engine_registry.register(self)
         self._install_hooks()
         self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
         _ATTACHED.add(optimizer)
@@ -426,6 +459,7 @@ class PrivacyEngine:
         if self.optimizer is not None:
             _ATTACHED.discard(self.optimizer)
         self.optimizer = None
+        engine_registry.unregister(self)
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer, *, allow_frozen: bool) -> None:
         """Every tensor the optimizer updates must be trainable (at :meth:`attach`), or, once training runs, a
@@ -679,7 +713,14 @@ class PrivacyEngine:
                 "optimizer.step() without a backward pass since the last step: nothing to release. Call "
                 "loss.backward() first. For an empty batch (normal under Poisson sampling) run the forward and "
                 "backward on it anyway (fastdp handles batch size 0), or call engine.empty_step().")
+        if self.accountant.steps + self.noiseless_steps != self.steps:
+            self._discard_step()
+            raise RuntimeError(
+                f"the accountant records {self.accountant.steps} noised steps but the engine released {self.steps} "
+                f"({self.noiseless_steps} without noise): its history was changed outside the engine. Nothing was "
+                "released; resume from a checkpoint (load_state_dict) or start a new engine.")
         self._check_budget()
+        self._check_sample_rate()
         self._pending.clear()  # forward calls that never got a backward pass
         std = self.noise_multiplier * self.max_grad_norm
         for p in self._trainable.values():
@@ -693,10 +734,11 @@ class PrivacyEngine:
                 if id(p) not in trainable:
                     p.grad = None  # frozen since attach (update_trainable): never updated
         self._summed.clear()
-        self.steps += 1
+        object.__setattr__(self, "steps", self.steps + 1)
         if self.noise_multiplier > 0:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
-        self._check_poisson(self._step_samples)
+        else:  # no noise: infinite epsilon, recorded so that steps == accountant.steps + noiseless_steps
+            object.__setattr__(self, "noiseless_steps", self.noiseless_steps + 1)
         self._step_samples = 0
         self._backward_seen = False
 
@@ -717,23 +759,53 @@ class PrivacyEngine:
         finally:
             self._empty_step = False
 
-    def _check_poisson(self, size: int) -> None:
-        if len(self._logical_sizes) >= POISSON_CHECK_STEPS:
-            return
-        self._logical_sizes.append(size)
-        if (len(self._logical_sizes) == POISSON_CHECK_STEPS and len(set(self._logical_sizes)) == 1
-                and self.batch_size >= 5 and self.sample_rate < 1):
-            warnings.warn(
-                f"the first {POISSON_CHECK_STEPS} logical batches all had exactly {size} samples, which looks like "
-                "fixed-size batches (a plain shuffled DataLoader). The reported epsilon assumes Poisson sampling "
-                "(each example joins each batch independently with probability batch_size/sample_size); with "
-                "fixed-size batches it does not hold as stated. Use fastdp.data.poisson_loader (docs/data.md).",
-                stacklevel=4)
+    def _discard_step(self) -> None:
+        """Drop the accumulated gradients of the step being refused (nothing is released)."""
+        self._summed.clear()
+        self._pending.clear()
+        self._backward_seen = False
+        self._step_samples = 0
+
+    def _check_sample_rate(self) -> None:
+        """Test this step's logical batch size against the declared rate (:mod:`fastdp.sampling_check`); a
+        loader drawing more than declared is refused before anything is released."""
+        verdict = self._sampling.observe(self._step_samples)
+        for msg in verdict.warnings:
+            warnings.warn(msg, stacklevel=4)
+        if verdict.refuse is not None:
+            self._discard_step()
+            raise RuntimeError(f"step {self.steps + 1} refused: {verdict.refuse}")
+
+    def set_noise_multiplier(self, noise_multiplier: float) -> None:
+        """Change ``sigma`` from the next step on; the accountant records each step with the sigma it used.
+
+        ``0.0`` is allowed (a warning; epsilon becomes ``inf`` at the next step and stays so). With
+        ``enforce_budget`` every further step is checked against ``target_epsilon`` (the calibration no longer
+        covers them), and a ``sigma = 0`` step is refused.
+        """
+        if self._summed or self._backward_seen:
+            raise RuntimeError("set_noise_multiplier() with gradients accumulated for the next step; call it "
+                               "after optimizer.step() and before the next backward pass")
+        if not (isinstance(noise_multiplier, (int, float)) and not isinstance(noise_multiplier, bool)
+                and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier={noise_multiplier!r} must be a finite number >= 0")
+        if noise_multiplier == 0:
+            warnings.warn("noise_multiplier=0.0: the next steps are clipped but not noised, so training is NOT "
+                          "differentially private from now on (epsilon is infinite).", stacklevel=2)
+        if float(noise_multiplier) != self.noise_multiplier:
+            self._budget_verified = min(self._budget_verified, self.steps)  # the calibration covered the old sigma
+        logger.info("noise_multiplier %g -> %g from step %d", self.noise_multiplier, noise_multiplier,
+                    self.steps + 1)
+        object.__setattr__(self, "noise_multiplier", float(noise_multiplier))
 
     def _check_budget(self) -> None:
-        if not self.enforce_budget or self.noise_multiplier == 0:
+        if not self.enforce_budget:
             return
         nxt = self.steps + 1
+        if self.noise_multiplier == 0 or self.noiseless_steps > 0:
+            raise PrivacyBudgetExceeded(
+                f"step {nxt} with noise_multiplier=0 (now or earlier) would take epsilon to inf > target_epsilon="
+                f"{self.target_epsilon:g}; nothing was released. Set a positive noise multiplier.")
         if nxt <= self._budget_verified:
             return
         trial = accounting.make_accountant(self.accountant.name)
@@ -773,9 +845,7 @@ class PrivacyEngine:
             steps were taken with ``noise_multiplier=0``.
         """
         delta = self.target_delta if delta is None else delta
-        if self.steps == 0:
-            eps = 0.0
-        elif self.noise_multiplier == 0:
+        if self.noiseless_steps > 0:
             eps = math.inf
         else:
             eps = float(self.accountant.get_epsilon(delta))
@@ -784,7 +854,7 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict[str, Any]:
         style = self.clipping_style if isinstance(self.clipping_style, str) else [list(g) for g in self._groups]
-        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+        return {"noise_multiplier": self._initial_sigma, "sample_rate": self.sample_rate,
                 "batch_size": self.batch_size, "sample_size": self.sample_size, "max_grad_norm": self.max_grad_norm,
                 "clipping_fn": self.clipping_fn, "clipping_style": style, "clipping_mode": self.clipping_mode,
                 "loss_reduction": self.loss_reduction, "target_delta": self.target_delta,
@@ -792,37 +862,96 @@ class PrivacyEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume privately: step count, accountant history, noise generator state, and the
-        privacy configuration (checked on load). Save it with the model's and optimizer's state dicts."""
+        privacy configuration (checked on load). Save it with the model's and optimizer's state dicts.
+
+        ``config["noise_multiplier"]`` is the constructed sigma; ``noise_multiplier_now`` the current one
+        (:meth:`set_noise_multiplier`). ``steps == len(accountant history) + noiseless_steps``."""
         if self._summed:
             raise RuntimeError("state_dict() with gradients accumulated for the next step: save after "
                                "optimizer.step()")
-        return {"version": STATE_VERSION, "steps": self.steps, "accountant": self.accountant.state_dict(),
+        return {"version": STATE_VERSION, "steps": self.steps, "noiseless_steps": self.noiseless_steps,
+                "noise_multiplier_now": self.noise_multiplier, "accountant": self.accountant.state_dict(),
                 "noise_generator": None if self.noise_generator is None else self.noise_generator.get_state(),
-                "config": self._config(), "logical_sizes": list(self._logical_sizes),
-                "nonfinite_samples": self.nonfinite_samples, "budget_verified": self._budget_verified}
+                "config": self._config(), "sampling": self._sampling.state_dict(),
+                "nonfinite_samples": self.nonfinite_samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`. The engine must be built with the same privacy configuration
-        (noise multiplier, sample rate, clipping, accountant, delta); a mismatch raises ValueError naming it."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else None
-            raise ValueError(f"not a fastdp PrivacyEngine state (version {got!r}, expected {STATE_VERSION})")
-        mine, theirs = self._config(), state["config"]
+        (noise multiplier, sample rate, clipping, accountant, delta); a mismatch raises ValueError naming it.
+
+        Nothing in the checkpoint is trusted: ``steps`` must equal the accountant history's step count plus
+        ``noiseless_steps`` (so a checkpoint cannot report epsilon 0 after steps were taken), every history
+        entry must have this engine's sample rate, and the budget state of ``enforce_budget`` is recomputed from
+        the history. Version-1 checkpoints (before the sample-rate monitor) load with the same checks; their
+        sample-rate test restarts. A failed load leaves the engine unchanged.
+        """
+        if self.steps > 0 or self._summed or self._backward_seen:
+            raise RuntimeError(
+                f"load_state_dict() on an engine that has already released {self.steps} step(s) (or holds "
+                "gradients for the next one): the checkpoint would replace their accounting. Load checkpoints into "
+                "a freshly built engine, before any backward pass.")
+        version = state.get("version") if isinstance(state, dict) else None
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 or "
+                             f"{STATE_VERSION})")
+        theirs = state.get("config")
+        if not isinstance(theirs, dict):
+            raise ValueError(f"state['config']={theirs!r} must be the dict saved by state_dict()")
+        mine = self._config()
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         if diff:
             detail = ", ".join(f"{k}: saved {a!r}, this engine {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"the saved engine state has a different privacy configuration ({detail}); build the "
                              "engine with the saved configuration to resume")
-        if state["noise_generator"] is not None:
-            if self.noise_generator is None:
-                raise ValueError("the saved state has a noise generator state; build the engine with "
-                                 "noise_generator=torch.Generator(...) to resume the same noise stream")
-            self.noise_generator.set_state(state["noise_generator"])
-        self.accountant.load_state_dict(state["accountant"])
-        self.steps = int(state["steps"])
-        self._logical_sizes = list(state.get("logical_sizes", []))
-        self.nonfinite_samples = int(state.get("nonfinite_samples", 0))
-        self._budget_verified = max(self._budget_verified, int(state.get("budget_verified", 0)))
+
+        def count(key: str, default: Any = None) -> int:
+            v = state.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"state[{key!r}]={v!r} must be an integer >= 0")
+            return v
+
+        steps = count("steps")
+        nonfinite = count("nonfinite_samples", 0)
+        trial = accounting.make_accountant(self.accountant.name)
+        trial.load_state_dict(state.get("accountant"))
+        if version == 1:  # sigma = 0 steps were never recorded in the accountant
+            noiseless = steps if mine["noise_multiplier"] == 0 else 0
+            sigma_now = mine["noise_multiplier"]
+        else:
+            noiseless = count("noiseless_steps")
+            sigma_now = state.get("noise_multiplier_now")
+            if (isinstance(sigma_now, bool) or not isinstance(sigma_now, (int, float))
+                    or not (math.isfinite(sigma_now) and sigma_now >= 0)):
+                raise ValueError(f"state['noise_multiplier_now']={sigma_now!r} must be a finite number >= 0")
+        if trial.steps + noiseless != steps:
+            raise ValueError(
+                f"inconsistent checkpoint: state['steps']={steps}, but the accountant history records "
+                f"{trial.steps} noised steps and state['noiseless_steps']={noiseless} (they must add up to steps); "
+                "the checkpoint was edited or corrupted and cannot be resumed privately")
+        bad_q = sorted({q for _, q, _ in trial.history if q != self.sample_rate})
+        if bad_q:
+            raise ValueError(f"the checkpoint's accountant history has sample rates {bad_q}, but this engine's is "
+                             f"{self.sample_rate!r}; the checkpoint was not saved by this configuration")
+        sampling = SampleRateMonitor(self.batch_size, self.sample_size)
+        if version != 1:
+            sampling.load_state_dict(state.get("sampling"), max_steps=steps)
+        gen = state.get("noise_generator")
+        if gen is not None and self.noise_generator is None:
+            raise ValueError("the saved state has a noise generator state; build the engine with "
+                             "noise_generator=torch.Generator(...) to resume the same noise stream")
+        # all checked: apply
+        if gen is not None:
+            self.noise_generator.set_state(gen)
+        self.accountant.load_state_dict(trial.state_dict())
+        object.__setattr__(self, "steps", steps)
+        object.__setattr__(self, "noiseless_steps", noiseless)
+        object.__setattr__(self, "noise_multiplier", float(sigma_now))
+        self._sampling = sampling
+        self.nonfinite_samples = nonfinite
+        # budget state recomputed, never read: the calibration covers a history of the constructed sigma only
+        homogeneous = (noiseless == 0 and float(sigma_now) == self._initial_sigma
+                       and all(s == self._initial_sigma for s, _, _ in trial.history))
+        self._budget_verified = (self._planned_steps or 0) if homogeneous else 0
 
     @property
     def trainable_parameters(self) -> dict[str, nn.Parameter]:

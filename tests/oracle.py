@@ -322,6 +322,7 @@ def make_engine(
     reduction="mean",
     sigma=0.0,
     sample_size=10_000,
+    check_rate=False,
     **kw,
 ):
     import warnings
@@ -330,7 +331,7 @@ def make_engine(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return PrivacyEngine(
+        engine = PrivacyEngine(
             model,
             batch_size=batch_size,
             sample_size=sample_size,
@@ -342,6 +343,29 @@ def make_engine(
             loss_reduction=reduction,
             **kw,
         )
+    if not check_rate:
+        engine._sampling = UncheckedRate(engine.batch_size, engine.sample_size)
+    return engine
+
+
+def _unchecked_rate_cls():
+    from fastdp.sampling_check import SampleRateMonitor, Verdict
+
+    class _UncheckedRate(SampleRateMonitor):
+        """Test double of the engine's sample-rate monitor: counts, never flags. The oracle tests choose
+        ``batch_size`` (the divisor of the released mean) independently of the batches they feed; the rate
+        check itself is tested in tests/test_accounting_guards.py."""
+
+        def observe(self, size):
+            self.steps += 1
+            self.total += int(size)
+            return Verdict()
+
+    return _UncheckedRate
+
+
+def UncheckedRate(batch_size, sample_size):  # noqa: N802 - reads like the class it builds
+    return _unchecked_rate_cls()(batch_size, sample_size)
 
 
 def engine_step(model, optimizer, per_sample_loss, batches, reduction):

@@ -176,7 +176,11 @@ def prv_epsilon_for_history(
         delta_error = delta / 1000.0
     if not history:
         return PRVResult(0.0, 0.0, 0.0, None)
-    key = tuple((float(s), float(q), int(n)) for s, q, n in history)
+    # composition commutes: entries with the same (sigma, q) are one PRV composed sum(counts) times
+    merged: dict[tuple[float, float], int] = {}
+    for s, q, n in history:
+        merged[(float(s), float(q))] = merged.get((float(s), float(q)), 0) + int(n)
+    key = tuple((s, q, n) for (s, q), n in merged.items())
     result = _prv_cached(key, delta, float(eps_error), float(delta_error))
     if result.fallback_reason is not None:
         warnings.warn(

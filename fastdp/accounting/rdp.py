@@ -85,23 +85,20 @@ def _log_a_int(q: float, sigma: float, orders: np.ndarray) -> np.ndarray:
     log_q, log_1mq = math.log(q), math.log1p(-q)
     quad = (k * k - k) / (2.0 * sigma * sigma)
     lg_k = special.gammaln(k + 1.0)
+    k_log_q = k * log_q
+    # gammaln(a - k + 1) = lg_k[a - k], a reversed slice; a plain numpy log-sum-exp (scipy's per-call overhead
+    # dominated the cost of a curve)
     for idx, alpha in enumerate(orders):
         a = int(alpha)
-        kk = k[: a + 1]
-        log_terms = (
-            special.gammaln(a + 1.0)
-            - lg_k[: a + 1]
-            - special.gammaln(a - kk + 1.0)
-            + kk * log_q
-            + (a - kk) * log_1mq
-            + quad[: a + 1]
-        )
-        out[idx] = special.logsumexp(log_terms)
+        n = a + 1
+        log_terms = lg_k[a] - lg_k[:n] - lg_k[a::-1] + k_log_q[:n] + (a - k[:n]) * log_1mq + quad[:n]
+        m = log_terms.max()
+        out[idx] = m + math.log(np.exp(log_terms - m).sum())
     return out
 
 
 def _frac_terms(
-    q: float, sigma: float, alpha: float, i: np.ndarray
+    q: float, sigma: float, alpha: float | np.ndarray, i: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Signs and log-magnitudes of the terms of A_0 and A_1 for fractional ``alpha`` at indices ``i``."""
     log_q, log_1mq = math.log(q), math.log1p(-q)
@@ -142,7 +139,38 @@ def _log_a_frac_one(q: float, sigma: float, alpha: float) -> float:
     return math.inf
 
 
-@functools.lru_cache(maxsize=512)
+def _log_a_frac_many(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
+    """log A_alpha for several fractional orders at once: every order's first ``_CHUNK`` terms in one
+    vectorised pass, with the same convergence test as :func:`_log_a_frac_one`; the orders whose series needs
+    more terms (or lost precision) are done one by one by :func:`_log_a_frac_one`."""
+    out = np.full(len(alphas), np.nan)
+    if len(alphas) == 0:
+        return out
+    z0 = sigma * sigma * (math.log1p(-q) - math.log(q)) + 0.5
+    i = np.arange(_CHUNK, dtype=float)[None, :]
+    a = np.asarray(alphas, dtype=float)[:, None]
+    sign, log_s0, log_s1 = _frac_terms(q, sigma, a, i)
+    tail = np.maximum(log_s0[:, -8:].max(axis=1), log_s1[:, -8:].max(axis=1))
+    past_peak = _CHUNK - 1 > z0 or (z0 - 0.5) ** 2 / (2.0 * sigma * sigma) > -_LOG_TOL + 10.0 + a[:, 0]
+    ok = (tail < _LOG_TOL) & past_peak
+    if ok.any():
+        a0, s0 = special.logsumexp(log_s0[ok], b=sign[ok], axis=1, return_sign=True)
+        a1, s1 = special.logsumexp(log_s1[ok], b=sign[ok], axis=1, return_sign=True)
+        good = (s0 > 0) & (s1 > 0)
+        idx = np.flatnonzero(ok)
+        out[idx[good]] = np.logaddexp(a0[good], a1[good])
+    for k in np.flatnonzero(np.isnan(out)):
+        out[k] = _log_a_frac_one(q, sigma, float(alphas[k]))
+    return out
+
+
+#: RDP curves cached per (q, sigma, orders): about 2 KB each, so the cache stays below ~40 MB; it is larger than
+#: any realistic number of distinct (sigma, q) phases (a smaller LRU cache thrashes once a history has more
+#: phases than it holds, recomputing every curve at every get_epsilon call)
+_RDP_CACHE_SIZE = 16384
+
+
+@functools.lru_cache(maxsize=_RDP_CACHE_SIZE)
 def _rdp_cached(q: float, sigma: float, orders: tuple[float, ...]) -> np.ndarray:
     alphas = np.asarray(orders, dtype=float)
     if q == 1.0:
@@ -150,8 +178,7 @@ def _rdp_cached(q: float, sigma: float, orders: tuple[float, ...]) -> np.ndarray
     is_int = np.asarray([float(a).is_integer() for a in alphas])
     log_a = np.empty(len(alphas))
     log_a[is_int] = _log_a_int(q, sigma, alphas[is_int])
-    for idx in np.flatnonzero(~is_int):
-        log_a[idx] = _log_a_frac_one(q, sigma, float(alphas[idx]))
+    log_a[~is_int] = _log_a_frac_many(q, sigma, alphas[~is_int])
     rdp = log_a / (alphas - 1.0)
     rdp = np.maximum(rdp, 0.0)  # RDP is non-negative; clear round-off
     rdp.setflags(write=False)
@@ -225,10 +252,20 @@ def rdp_epsilon_for_history(
 ) -> tuple[float, float]:
     """(epsilon, optimal order) of a heterogeneous history: the RDP curves of the entries are summed."""
     orders_t = tuple(float(a) for a in orders)
-    total = np.zeros(len(orders_t))
+    return rdp_to_epsilon(orders_t, _history_rdp(history, orders_t), delta, warn_at_boundary=warn_at_boundary)
+
+
+def _history_rdp(history: Sequence[HistoryEntry], orders: tuple[float, ...]) -> np.ndarray:
+    """Total RDP curve of a history: ``sum_k T_k eps_RDP(alpha; sigma_k, q_k)``, each distinct (sigma, q)
+    evaluated once however many (non-adjacent) entries it has."""
+    counts: dict[tuple[float, float], int] = {}
     for sigma, q, n in history:
-        total = total + n * np.asarray(_rdp_cached(float(q), float(sigma), orders_t))
-    return rdp_to_epsilon(orders_t, total, delta, warn_at_boundary=warn_at_boundary)
+        key = (float(sigma), float(q))
+        counts[key] = counts.get(key, 0) + int(n)
+    total = np.zeros(len(orders))
+    for (sigma, q), n in counts.items():
+        total = total + n * np.asarray(_rdp_cached(q, sigma, orders))
+    return total
 
 
 def rdp_epsilon(
@@ -265,10 +302,7 @@ class RDPAccountant(Accountant):
 
     def get_rdp(self) -> np.ndarray:
         """Total RDP curve of the recorded history, aligned with :attr:`orders`."""
-        total = np.zeros(len(self.orders))
-        for sigma, q, n in self._history:
-            total = total + n * np.asarray(_rdp_cached(q, sigma, self.orders))
-        return total
+        return _history_rdp(self._history, self.orders)
 
     def get_epsilon_and_order(self, delta: float) -> tuple[float, float]:
         """``(epsilon, optimal order)`` for the recorded history."""
