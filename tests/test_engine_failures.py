@@ -247,6 +247,46 @@ def test_failed_pass_logs_what_was_dropped(caplog):
     assert "backward pass raised" in caplog.text and "discarded" in caplog.text and "Linear" in caplog.text
 
 
+def test_dropped_callback_without_notice_is_discarded_at_the_next_forward(monkeypatch, caplog):
+    """Fallback: if autograd dropped the end-of-backward callback without releasing it (so ``on_dropped`` never
+    ran), the next forward call of the model finds the callback marked queued outside a backward pass."""
+
+    def queue_without_notice(on_end, on_dropped):
+        torch.autograd.Variable._execution_engine.queue_callback(on_end)
+
+    monkeypatch.setattr(engine_mod.session, "queue_end_of_backward", queue_without_notice)
+    model, engine, opt = setup()
+    acc = engine.accountant.state_dict()
+    Boom.armed = torch.OutOfMemoryError("injected")
+    with pytest.raises(torch.OutOfMemoryError):
+        backward(model, *data(5, 1))
+    assert engine._callback_queued and any(r.reached for r in engine._pending)  # the wedge this guards against
+    x, y = data(3, 2)
+    want = oracle(model, [(x, y)])
+    with caplog.at_level(logging.WARNING, logger="fastdp.engine"):
+        out = model(x)
+    assert "discarded" in caplog.text
+    assert not engine._callback_queued and all(not r.reached for r in engine._pending)
+    mse_per_sample(out, y).mean().backward()
+    assert engine.steps == 0 and engine.accountant.state_dict() == acc
+    opt.step()
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want)
+
+
+def test_dropped_callback_without_notice_is_discarded_at_the_step(monkeypatch):
+    def queue_without_notice(on_end, on_dropped):
+        torch.autograd.Variable._execution_engine.queue_callback(on_end)
+
+    monkeypatch.setattr(engine_mod.session, "queue_end_of_backward", queue_without_notice)
+    model, engine, opt = setup()
+    Boom.armed = torch.OutOfMemoryError("injected")
+    with pytest.raises(torch.OutOfMemoryError):
+        backward(model, *data(5, 1))
+    with pytest.raises(RuntimeError, match="without a backward pass"):
+        opt.step()
+    assert not engine._callback_queued and engine._pending == [] and engine.steps == 0
+
+
 def test_backward_again_on_a_discarded_graph_is_refused():
     model, engine, opt = setup()
     x, y = data(5, 1)
@@ -284,7 +324,8 @@ def test_gradient_accumulation_second_pass_fails_only_that_pass_is_discarded():
     Boom.armed = torch.OutOfMemoryError("injected")
     with pytest.raises(torch.OutOfMemoryError):
         backward(model, *data(4, 2))
-    assert engine._pending == [] and engine._step_samples == 2 and set(engine._summed) == set(engine._trainable.values())
+    assert engine._pending == [] and engine._step_samples == 2
+    assert set(engine._summed) == set(engine._trainable.values())
     want = oracle(model, [b1, b2])
     backward(model, *b2)
     opt.step()
