@@ -196,6 +196,7 @@ class PrivacyEngine:
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._pending: list[Record] = []
         self._callback_queued = False
+        self._passes = 0  # backward passes that reached the hooks (the current one's number identifies it)
         self._in_bookkeeping = False
         self._handles: list[Any] = []
         self._anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -668,7 +669,8 @@ class PrivacyEngine:
     def _on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:
         if not self._callback_queued:  # first, so that a failure below is discarded with the rest of the pass
             self._callback_queued = True
-            session.queue_end_of_backward(self._on_backward_end, self._on_backward_dropped)
+            self._passes += 1
+            session.queue_end_of_backward(self._on_backward_end, partial(self._on_backward_dropped, self._passes))
         if rec.forward in self._dead_forwards:
             raise RuntimeError(
                 f"a backward pass reached {type(rec.module).__name__} through a forward call whose records the "
@@ -686,10 +688,12 @@ class PrivacyEngine:
         if rec.activation is not None and self._on_arrival and id(rec.module) not in self._tied_modules:
             instantiate_on_arrival(rec, self.clipping_mode)  # frees the kept tensors where that is cheaper
 
-    def _on_backward_dropped(self) -> None:
-        """The backward pass raised before it completed: discard every record it reached, with the other records
-        of the same forward calls (nothing of the pass is summed, released or accounted)."""
-        if not self._callback_queued:
+    def _on_backward_dropped(self, number: int | None = None) -> None:
+        """The backward pass ``number`` (``None``: the current one) raised before it completed: discard every record
+        it reached, with the other records of the same forward calls (nothing of the pass is summed, released or
+        accounted). A late notice (autograd may release the callback on another thread, after the next pass began,
+        or after :meth:`_recover` handled it) is ignored."""
+        if not self._callback_queued or (number is not None and number != self._passes):
             return
         self._callback_queued = False
         fids = {r.forward for r in self._pending if r.reached}
@@ -844,9 +848,15 @@ class PrivacyEngine:
         least one of those passes was most likely for it, so the engine discards them all (nothing is released or
         accounted) and raises: privacy first, and a warning would leave the private step silently short. Run the
         other loss's forward under :meth:`paused`, or step the private optimizer before any other one.
-        Optimizers attached to a PrivacyEngine are left to their own engine.
+        Optimizers attached to a PrivacyEngine are left to their own engine, and an optimizer that holds one of
+        this engine's trainable parameters is taken for a wrapper of the attached one (HF ``accelerate``'s
+        ``AcceleratedOptimizer`` steps itself, then the attached optimizer): it reads the ``.grad`` the engine
+        writes, and before the private step that is ``None``.
         """
         if optimizer is self.optimizer or optimizer in _ATTACHED:
+            return
+        trainable = {id(p) for p in self._trainable.values()}
+        if any(id(p) in trainable for g in optimizer.param_groups for p in g["params"]):
             return
         reached = [r for r in self._pending if r.reached]
         if not (self._summed or self._backward_seen or reached):

@@ -460,6 +460,42 @@ def test_two_engines_in_lockstep_are_not_refused():
     e2.detach()
 
 
+class Wrapper(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: steps itself, then the wrapped (attached) optimizer."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {"lr": 0.0})
+
+    def step(self, closure=None):
+        return self.inner.step()
+
+
+def test_wrapper_of_the_attached_optimizer_is_not_refused():
+    model, engine, opt = setup()
+    x, y = data(3, 2)
+    want = oracle(model, [(x, y)])
+    backward(model, x, y)
+    Wrapper(opt).step()
+    assert engine.steps == 1
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want)
+
+
+def test_second_optimizer_on_frozen_parameters_of_the_same_model_is_refused():
+    torch.manual_seed(0)
+    model = Net().to(D)
+    model.l3.requires_grad_(False)
+    engine = make_engine(model, batch_size=B, R=0.3)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine.attach(opt)
+    model.l3.requires_grad_(True)  # trained by a second, non-private optimizer (e.g. a head trained on public data)
+    opt2 = torch.optim.SGD(model.l3.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="not attached"):
+        backward(model, *data(3, 1))
+        opt2.step()
+    assert engine.steps == 0 and engine._summed == {}
+
+
 def test_detach_removes_the_other_optimizer_check():
     disc, gen, engine, opt_d, opt_g = gan()
     engine.detach()
