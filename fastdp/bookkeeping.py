@@ -56,6 +56,9 @@ class Record:
     #: activation and the output gradient are then dropped and ``batch`` holds the call's batch size
     psg: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     batch: int | None = None
+    #: the engine's id of the model's forward call that made this record (records of a failed pass are dropped
+    #: together with the other records of the same forward call)
+    forward: int = -1
 
     @property
     def grad_output(self) -> torch.Tensor | None:

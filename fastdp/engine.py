@@ -20,19 +20,22 @@ every hook and restores ``requires_grad``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastdp import accounting, engine_registry, hf_guard
+from fastdp import accounting, engine_registry, hf_guard, session
 from fastdp.bookkeeping import (
     CLIPPING_MODES,
     ClipConfig,
@@ -198,12 +201,18 @@ class PrivacyEngine:
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._pending: list[Record] = []
         self._callback_queued = False
+        self._passes = 0  # backward passes that reached the hooks (the current one's number identifies it)
         self._in_bookkeeping = False
         self._handles: list[Any] = []
         self._anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # parameters detached by the forward calls in progress, one list per call (calls nest like a stack)
         self._detached_now: list[list[nn.Parameter]] = []
         self._forward_batch: list[int | None] = []  # batch size of the model's forward calls in progress
+        # (forward id, exception being handled at the call's start) of the model's forward calls in progress
+        self._forward_ids: list[tuple[int, BaseException | None]] = []
+        self._next_forward = 0
+        self._dead_forwards: set[int] = set()  # forward calls whose records were discarded after a failure
+        self._paused = 0  # depth of `with engine.paused()`
         self._rng_stack: list[Any] = []  # RNG states at the start of the generic owners' calls in progress
         # verified expansions of the generic owners' calls in progress (None: the call is replayed)
         self._expand_stack: list[expand.ExpandedCall | None] = []
@@ -375,6 +384,7 @@ class PrivacyEngine:
         engine_registry.register(self)
         self._install_hooks()
         self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+        self._handles.append(_register_other_step_hook(self))
         _ATTACHED.add(optimizer)
         logger.info("attached: %d trainable tensors in %d hooked modules, mode %s, sigma=%g",
                     len(self._trainable), len(self._hooked), self.clipping_mode, self.noise_multiplier)
@@ -456,6 +466,12 @@ class PrivacyEngine:
         self._pending.clear()
         self._summed.clear()
         self._anchors.clear()
+        self._callback_queued = False
+        self._rng_stack.clear()
+        self._forward_batch.clear()
+        self._forward_ids.clear()
+        self._backward_seen = False
+        self._step_samples = 0
         if self.optimizer is not None:
             _ATTACHED.discard(self.optimizer)
         self.optimizer = None
@@ -521,12 +537,32 @@ class PrivacyEngine:
             "freeze the parameter.")
 
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The batch size of this forward call of the model: the leading dimension of its first tensor input."""
+        """The batch size of this forward call of the model: the leading dimension of its first tensor input.
+        An outermost call first discards what a failed forward or backward pass left behind."""
+        if not self._forward_ids:
+            self._recover()
         self._forward_batch.append(generic.first_batch_size(args, kwargs))
+        self._forward_ids.append((self._next_forward, sys.exc_info()[1]))
+        self._next_forward += 1
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""
         if self._forward_batch:
             self._forward_batch.pop()
+        if not self._forward_ids:
+            return
+        fid, handled = self._forward_ids.pop()
+        if sys.exc_info()[1] is not handled:  # called from Module.__call__'s `except`: the forward raised
+            self._drop_forwards({fid}, f"the model's forward call raised {type(sys.exc_info()[1]).__name__}")
+            if not self._forward_ids:
+                self._reset_call_stacks()
+
+    def _current_forward(self) -> int:
+        """The id of the model's forward call in progress (a fresh one for a submodule called on its own)."""
+        if self._forward_ids:
+            return self._forward_ids[-1][0]
+        self._next_forward += 1
+        return self._next_forward - 1
 
     def _batch(self) -> int | None:
         return self._forward_batch[-1] if self._forward_batch else None
@@ -542,7 +578,8 @@ class PrivacyEngine:
     def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *,
                       kind: LayerKind, names: frozenset[str], needs_act: bool) -> Any:
         self._end_call()  # always called, also when forward raised
-        if self._in_bookkeeping or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+        if (self._in_bookkeeping or self._paused or not torch.is_grad_enabled()
+                or not isinstance(output, torch.Tensor)):
             return None
         B = self._batch()
         out = output
@@ -557,7 +594,8 @@ class PrivacyEngine:
             activation = kind.capture(module, inputs)
             if broadcast and activation.dim() >= 1 and activation.shape[0] == 1:
                 activation = activation.expand(B, *activation.shape[1:])
-        rec = Record(module=module, kind=kind, names=names, activation=activation, autocast=autocast_state())
+        rec = Record(module=module, kind=kind, names=names, activation=activation, autocast=autocast_state(),
+                     forward=self._current_forward())
         out = self._hook_output(out, rec, 0)
         self._pending.append(rec)
         return out if out is not output else None
@@ -574,7 +612,7 @@ class PrivacyEngine:
             new = exp.end(None if output is None else leaves)
             if new is not None and any(a is not b for a, b in zip(new, leaves, strict=True)):
                 leaves, replaced = new, True  # a tainted output: the unmodified forward's value instead
-        if self._in_bookkeeping or not torch.is_grad_enabled() or output is None:
+        if self._in_bookkeeping or self._paused or not torch.is_grad_enabled() or output is None:
             # (output is None when the forward raised)
             return tree_unflatten(leaves, spec) if replaced else None
         B = self._batch()
@@ -614,7 +652,7 @@ class PrivacyEngine:
                                    outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
                                    label=label, autocast=autocast_state(), rng=rng)
         rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
-                     autocast=call.autocast)
+                     autocast=call.autocast, forward=self._current_forward())
         call.grads.extend([None] * len(hooked))
         for k, j in enumerate(hooked):
             out = new_leaves[j]
@@ -634,7 +672,7 @@ class PrivacyEngine:
                                    names=tuple(sorted(names)), label=label, autocast=autocast_state(),
                                    expanded=exp.names)
         rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
-                     autocast=call.autocast)
+                     autocast=call.autocast, forward=self._current_forward())
         call.grads.extend([None] * len(exp.names))
         for k, n in enumerate(exp.names):
             exp.expanded[n].register_hook(partial(self._on_output_grad, rec, k))
@@ -646,9 +684,10 @@ class PrivacyEngine:
                      expand: dict[str, nn.Parameter] | None = None) -> None:
         """Keep the random number generators' state, so the per-sample replay draws the same dropout masks; start
         a verified expansion (:mod:`fastdp.layers.expand`) of the owner's broadcast parameters if it has them."""
-        self._rng_stack.append(None if self._in_bookkeeping else generic.rng_state(args, kwargs))
+        idle = self._in_bookkeeping or self._paused
+        self._rng_stack.append(None if idle else generic.rng_state(args, kwargs))
         call = None
-        if (expand and not self._in_bookkeeping and torch.is_grad_enabled() and id(module) not in self._expand_off
+        if (expand and not idle and torch.is_grad_enabled() and id(module) not in self._expand_off
                 and all(module._parameters.get(n) is p for n, p in expand.items())):  # not a nested call of itself
             B = self._batch()
             if B is None:
@@ -664,6 +703,15 @@ class PrivacyEngine:
             "the owner's trainable parameters cannot be attributed to samples.")
 
     def _on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:
+        if not self._callback_queued:  # first, so that a failure below is discarded with the rest of the pass
+            self._callback_queued = True
+            self._passes += 1
+            session.queue_end_of_backward(self._on_backward_end, partial(self._on_backward_dropped, self._passes))
+        if rec.forward in self._dead_forwards:
+            raise RuntimeError(
+                f"a backward pass reached {type(rec.module).__name__} through a forward call whose records the "
+                "engine discarded after a failed forward or backward pass (nothing of it can be released). Run "
+                "the forward pass again and call backward on its new output.")
         if rec.grads[k] is not None or rec.psg is not None:
             raise RuntimeError(
                 f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
@@ -675,9 +723,50 @@ class PrivacyEngine:
         rec.grads[k] = grad
         if rec.activation is not None and self._on_arrival and id(rec.module) not in self._tied_modules:
             instantiate_on_arrival(rec, self.clipping_mode)  # frees the kept tensors where that is cheaper
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_dropped(self, number: int | None = None) -> None:
+        """The backward pass ``number`` (``None``: the current one) raised before it completed: discard every record
+        it reached, with the other records of the same forward calls (nothing of the pass is summed, released or
+        accounted). A late notice (autograd may release the callback on another thread, after the next pass began,
+        or after :meth:`_recover` handled it) is ignored."""
+        if not self._callback_queued or (number is not None and number != self._passes):
+            return
+        self._callback_queued = False
+        fids = {r.forward for r in self._pending if r.reached}
+        self._drop_forwards(fids, "the backward pass raised before it completed")
+
+    def _drop_forwards(self, fids: set[int], why: str) -> None:
+        """Discard the pending records of the forward calls ``fids`` (and free what they keep); a later backward
+        pass through those calls' outputs raises."""
+        if not fids:
+            return
+        drop = [r for r in self._pending if r.forward in fids]
+        self._pending = [r for r in self._pending if r.forward not in fids]
+        self._dead_forwards |= fids
+        for r in drop:
+            r.activation, r.psg = None, None
+            r.grads[:] = [None] * len(r.grads)
+        mods = sorted({type(r.module).__name__ for r in drop})
+        logger.warning("%s: discarded %d record(s) of %d forward call(s) (modules %s); nothing of them is released "
+                       "or accounted, the next step holds only the passes that completed", why, len(drop), len(fids),
+                       mods[:8])
+
+    def _reset_call_stacks(self) -> None:
+        """Restore ``requires_grad`` and empty the per-call stacks (after a forward call that raised)."""
+        if self._detached_now or self._rng_stack or self._expand_stack:
+            logger.warning("a failed forward pass left %d module call(s) open; requires_grad restored",
+                           len(self._detached_now))
+        self._restore_params()
+        self._rng_stack.clear()
+
+    def _recover(self) -> None:
+        """Outside any forward call: discard a backward pass whose end never came (fallback of
+        :meth:`_on_backward_dropped`) and the per-call stacks of a forward call that never ended."""
+        if self._callback_queued and not session.in_backward():
+            self._on_backward_dropped()
+        if not session.in_backward():
+            self._reset_call_stacks()
+            self._forward_batch.clear()
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -686,8 +775,14 @@ class PrivacyEngine:
         self._in_bookkeeping = True  # GhostClip's replay calls the modules again: no hooks for that
         try:
             result = clipped_sums(done, self._param_of, self._clip_cfg)
-        except NonFiniteGradientError as e:
-            raise NonFiniteGradientError(f"step {self.steps + 1}: {e}") from None
+        except BaseException as e:
+            self._in_bookkeeping = False
+            self._pending.extend(done)
+            self._drop_forwards({r.forward for r in done}, f"the end-of-backward bookkeeping raised "
+                                                           f"{type(e).__name__}")
+            if isinstance(e, NonFiniteGradientError):
+                raise NonFiniteGradientError(f"step {self.steps + 1}: {e}") from None
+            raise
         finally:
             self._in_bookkeeping = False
         self._backward_seen = True
@@ -706,6 +801,8 @@ class PrivacyEngine:
         if len(args) > 1 or kwargs.get("closure") is not None:
             raise RuntimeError("optimizer.step(closure) is not supported under a PrivacyEngine: call "
                                "loss.backward() yourself, then optimizer.step()")
+        if not self._forward_ids:
+            self._recover()
         self._check_optimizer(optimizer, allow_frozen=True)
         self._check_trainable_unchanged()
         if not self._backward_seen and not self._empty_step:
@@ -797,6 +894,71 @@ class PrivacyEngine:
         logger.info("noise_multiplier %g -> %g from step %d", self.noise_multiplier, noise_multiplier,
                     self.steps + 1)
         object.__setattr__(self, "noise_multiplier", float(noise_multiplier))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forward passes run inside ``with engine.paused():`` are not private training passes: the engine records
+        nothing for them, and the trainable parameters get no gradient from them.
+
+        For a loss that must backpropagate *through* the private model without training it, e.g. a GAN's
+        generator loss through the private discriminator ``D``::
+
+            with engine.paused():
+                g_loss = -D(G(z)).mean()
+            g_loss.backward()   # gradients reach G's parameters (for G's optimizer) through D's layers
+            opt_g.step()
+
+        Ghost differentiation still holds: during each hooked layer's forward call its trainable parameters do not
+        require grad, so the graph has no edge to them and they get no ``.grad`` (no non-private gradient); the
+        gradient flows through the layers to their inputs only. A parameter used outside its layer still raises
+        (see :meth:`_outside_use`). What matters is where the *forward* runs; the backward may run outside. The
+        pause covers the forward calls made inside the block (threads share it).
+        """
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def _other_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Global optimizer step pre-hook (installed by :meth:`attach`): refuse a step of an optimizer that no
+        PrivacyEngine is attached to while this engine holds gradients from backward passes since its last step.
+
+        The engine cannot tell which optimizer a backward pass was for. A pass taken for another optimizer (a GAN's
+        generator loss through the private discriminator, a second optimizer on other parameters of the model)
+        reaches the engine's hooks like a private one; folded into the next private step, it would release two
+        batches under one accounted step. When another optimizer steps while the engine holds such gradients, at
+        least one of those passes was most likely for it, so the engine discards them all (nothing is released or
+        accounted) and raises: privacy first, and a warning would leave the private step silently short. Run the
+        other loss's forward under :meth:`paused`, or step the private optimizer before any other one.
+        Optimizers attached to a PrivacyEngine are left to their own engine, and an optimizer that holds one of
+        this engine's trainable parameters is taken for a wrapper of the attached one (HF ``accelerate``'s
+        ``AcceleratedOptimizer`` steps itself, then the attached optimizer): it reads the ``.grad`` the engine
+        writes, and before the private step that is ``None``.
+        """
+        if optimizer is self.optimizer or optimizer in _ATTACHED:
+            return
+        trainable = {id(p) for p in self._trainable.values()}
+        if any(id(p) in trainable for g in optimizer.param_groups for p in g["params"]):
+            return
+        reached = [r for r in self._pending if r.reached]
+        if not (self._summed or self._backward_seen or reached):
+            return
+        fids = {r.forward for r in reached}
+        n_samples = self._step_samples
+        self._summed.clear()
+        self._backward_seen = False
+        self._step_samples = 0
+        self._drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
+        raise RuntimeError(
+            f"{type(optimizer).__name__} (id {id(optimizer):#x}), an optimizer this PrivacyEngine is not attached "
+            f"to, stepped while the engine held gradients of {n_samples} sample(s) from backward passes since its "
+            f"last step for its own optimizer {type(self.optimizer).__name__} (id {id(self.optimizer):#x}). The "
+            "engine cannot tell which optimizer a backward pass was for; folding another optimizer's pass into the "
+            "private step would release two batches under one accounted step, so those gradients were discarded "
+            "(nothing released or accounted). Run the forward of a loss that only trains other parameters under "
+            "`with engine.paused():` (e.g. a GAN's generator loss through the private discriminator), and step "
+            "the private optimizer before the other one.")
 
     def _check_budget(self) -> None:
         if not self.enforce_budget:
@@ -963,6 +1125,21 @@ class PrivacyEngine:
                 f"noise_multiplier={self.noise_multiplier:.4g}, max_grad_norm={self.max_grad_norm:g}, "
                 f"clipping_mode={self.clipping_mode!r}, clipping_fn={self.clipping_fn!r}, "
                 f"accountant={self.accountant.name!r}, steps={self.steps})")
+
+
+def _register_other_step_hook(engine: PrivacyEngine) -> Any:
+    """Install :meth:`PrivacyEngine._other_step` as a global optimizer step pre-hook that holds the engine weakly
+    (a global hook must not keep an engine and its model alive); it is removed by ``detach`` or with the engine."""
+    ref = weakref.ref(engine)
+
+    def hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        eng = ref()
+        if eng is not None:
+            eng._other_step(optimizer, args, kwargs)
+
+    handle = register_optimizer_step_pre_hook(hook)
+    weakref.finalize(engine, handle.remove).atexit = False
+    return handle
 
 
 def _start_expansion(module: nn.Module, params: dict[str, nn.Parameter], batch: int,
