@@ -958,7 +958,8 @@ class PrivacyEngine:
             "private step would release two batches under one accounted step, so those gradients were discarded "
             "(nothing released or accounted). Run the forward of a loss that only trains other parameters under "
             "`with engine.paused():` (e.g. a GAN's generator loss through the private discriminator), and step "
-            "the private optimizer before the other one.")
+            "the private optimizer before the other one. If this engine is stale (a model you no longer train), call "
+            "its detach() (fastdp.engines_on(model) finds it).")
 
     def _check_budget(self) -> None:
         if not self.enforce_budget:
