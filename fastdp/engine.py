@@ -43,6 +43,7 @@ from fastdp.bookkeeping import (
 )
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
 from fastdp.layers import expand, generic, kind_for
+from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
 
@@ -291,8 +292,15 @@ class PrivacyEngine:
                     in_subtree.update(id(p) for _, p in owned_sub)
             direct = [(a, p) for a, p in module.named_parameters(recurse=False)
                       if id(p) in trainable_ids and id(p) not in in_subtree]
+            # never-called containers, parametrizations, parameters also held by a descendant (layers/owners.py)
+            extra = [(a, p) for a, p in ownership.extra_owned(module) if id(p) in trainable_ids
+                     and id(p) not in in_subtree and all(p is not q for _, q in direct)]
+            whole = bool(extra) or ownership.shared_with_descendants(module, direct)
+            direct += extra
+            if whole:
+                in_subtree.update(id(p) for _, p in direct)
             if direct:
-                kind = kind_for(module)
+                kind = None if whole else kind_for(module)
                 if kind is not None and all(a in ("weight", "bias") for a, _ in direct):
                     reason = kind.unsupported_reason(module)
                     if reason is not None:
@@ -354,17 +362,19 @@ class PrivacyEngine:
         capture_all = self.clipping_mode == "ghost"
         for mname, module, kind, names in self._hooked:
             params = [self._param_of[(id(module), n)] for n in sorted(names)]
-            hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
+            # prepended: they run before the module's own pre-hooks (legacy weight_norm and prune compute the
+            # weight from the trainable originals there), detach first, then the generic owner's pre-hook
             if kind is generic.GENERIC:
                 exp = {n: self._param_of[(id(module), n)] for n in sorted(names)}
                 if not all("." not in n and expand.expandable(p) for n, p in exp.items()):
                     exp = None
                 hooks.append(module.register_forward_pre_hook(partial(self._generic_pre, expand=exp),
-                                                              with_kwargs=True))
+                                                              with_kwargs=True, prepend=True))
                 hook = partial(self._generic_hook, names=names, label=mname or "<root>")
             else:
                 needs_act = capture_all or kind.needs_activation(module, names)
                 hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
+            hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params), prepend=True))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
         for name, p in self._trainable.items():
             # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.
