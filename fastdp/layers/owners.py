@@ -23,6 +23,9 @@ their originals as direct parameters and recompute ``weight`` in a forward pre-h
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -64,11 +67,30 @@ def shared_with_descendants(module: nn.Module, direct: list[tuple[str, nn.Parame
     ids = {id(p) for _, p in direct}
     if not ids:
         return False
-    for cname, child in module.named_children():
+    for child in module.children():
         for _, p in child.named_parameters(remove_duplicate=False):
             if id(p) in ids:
                 return True
     return False
 
 
-__all__ = ["extra_owned", "forwardless", "shared_with_descendants"]
+@contextlib.contextmanager
+def parametrizations_frozen(module: nn.Module) -> Iterator[None]:
+    """Run the per-sample replay of ``module`` with its parametrizations in eval mode.
+
+    ``spectral_norm`` runs a power iteration in train mode that updates its buffers ``u``, ``v`` in place (it does
+    not depend on the data, so it mixes no samples). The real forward call already did that iteration and left the
+    ``u``, ``v`` it used in the buffers; in eval mode the replay uses exactly those, computes the same weight, and
+    does not iterate again (which would also change the next step's weight)."""
+    subs = [s for pl in module.modules() if isinstance(pl, parametrize.ParametrizationList) for s in pl.modules()]
+    states = [(s, s.training) for s in subs]
+    for s in subs:
+        s.training = False
+    try:
+        yield
+    finally:
+        for s, t in states:
+            s.training = t
+
+
+__all__ = ["extra_owned", "forwardless", "parametrizations_frozen", "shared_with_descendants"]

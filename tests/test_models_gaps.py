@@ -1,0 +1,351 @@
+"""Model-coverage gaps found by the red team, each against the batch-of-one oracle (float64, 1e-6 relative, R chosen
+so that clipping is active) in the five clipping modes, with batch sizes equal and not equal to the models' other
+dimensions and batch size 1:
+
+1. subclasses of supported layers with their own ``forward`` (Falcon's ``FalconLinear``) go to the generic path;
+2. a parameter held by a module and by its descendant (``BertLMPredictionHead.bias is decoder.bias``) is counted once;
+3. parameters in ``nn.ParameterDict`` / ``nn.ParameterList`` (peft IA3, AdaLoRA, VeRA) are owned by the nearest
+   called ancestor;
+4. parametrizations (``weight_norm``, ``spectral_norm``, legacy ``weight_norm``, ``prune``) are exact;
+6. the batch size of a forward call comes from the inputs' agreement, not the first tensor argument.
+
+Toy sizes: input 5, hidden 6, output 3 (batch size 3 equals the output dimension).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_oracle import D, check_engine, mse_loss
+from oracle import MODES, make_engine
+from torch import nn
+from torch.nn.utils import parametrize
+
+from fastdp.layers import kind_for
+
+DIN, HID, DOUT = 5, 6, 3
+
+
+def _batches(sizes, seed=0, din=DIN, dout=DOUT):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(n, din, generator=g, dtype=D),), torch.randn(n, dout, generator=g, dtype=D)) for n in sizes]
+
+
+SIZES = [[3, 1], [1], [4]]  # 3 == DOUT; a logical batch of 3 + 1; batch size 1
+
+
+# --------------------------------------------------------------------------- 1. subclasses with their own forward
+
+
+class TwiceBiasLinear(nn.Linear):
+    """Falcon-style: an nn.Linear subclass whose forward is not nn.Linear's."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight) + self.bias * 2
+
+
+class ScaledConv(nn.Conv1d):
+    def forward(self, x):
+        return super().forward(x) * 1.5 + self.weight.sum()
+
+
+class ShiftedEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return F.embedding(ids, self.weight) * 0.5 + self.weight[0]
+
+
+class PlainSub(nn.Linear):
+    """Adds an attribute only: same computation as nn.Linear."""
+
+    tag = "plain"
+
+
+class SquaredLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) * self.weight
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = ScaledConv(1, 2, 3)
+        self.head = nn.Linear(2 * (DIN - 2), DOUT)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x.unsqueeze(1))).flatten(1))
+
+
+class EmbNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = ShiftedEmbedding(11, 4)
+        self.norm = SquaredLayerNorm(4)
+        self.head = nn.Linear(4, DOUT)
+
+    def forward(self, x):
+        ids = (x.abs() * 3).long().clamp(max=10)  # (B, DIN) token ids derived from the input
+        return self.head(self.norm(self.emb(ids)).mean(1))
+
+
+def test_kind_for_requires_the_base_forward():
+    assert kind_for(TwiceBiasLinear(2, 2)) is None
+    assert kind_for(ScaledConv(1, 1, 1)) is None
+    assert kind_for(ShiftedEmbedding(3, 2)) is None
+    assert kind_for(SquaredLayerNorm(2)) is None
+    assert kind_for(PlainSub(2, 2)) is kind_for(nn.Linear(2, 2)) is not None
+    for m in (nn.GroupNorm(1, 2), nn.Conv2d(1, 1, 1), nn.Embedding(2, 2), nn.LayerNorm(2)):
+        assert kind_for(m) is not None
+
+        class Own(type(m)):
+            def forward(self, *a):  # noqa: D102
+                return super().forward(*a)
+
+        own = copy.copy(m)
+        own.__class__ = Own
+        assert kind_for(own) is None, type(m)
+
+
+def _subclass_model(which):
+    torch.manual_seed(0)
+    if which == "linear":
+        return nn.Sequential(nn.Linear(DIN, HID), nn.Tanh(), TwiceBiasLinear(HID, DOUT)).to(D)
+    if which == "conv":
+        return ConvNet().to(D)
+    return EmbNet().to(D)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("which", ["linear", "conv", "embedding"])
+def test_subclass_with_own_forward(which, mode):
+    sizes = SIZES[MODES.index(mode) % len(SIZES)]
+    model = _subclass_model(which)
+    check_engine(model, mse_loss, _batches(sizes, seed=MODES.index(mode)), mode=mode)
+
+
+# --------------------------------------------------------------------------- 2. parameter held by an ancestor too
+
+
+class Head(nn.Module):
+    """BertLMPredictionHead's layout: ``self.bias`` is ``self.decoder.bias``."""
+
+    def __init__(self):
+        super().__init__()
+        self.transform = nn.Linear(DIN, HID)
+        self.decoder = nn.Linear(HID, DOUT)
+        self.bias = self.decoder.bias
+
+    def forward(self, x):
+        return self.decoder(torch.tanh(self.transform(x)))
+
+
+class HeadReadsTwice(Head):
+    """The ancestor also reads the shared bias outside the descendant."""
+
+    def forward(self, x):
+        return self.decoder(torch.tanh(self.transform(x))) + self.bias * x[:, :DOUT]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls", [Head, HeadReadsTwice])
+def test_parameter_shared_with_descendant(cls, mode):
+    torch.manual_seed(1)
+    model = cls().to(D)
+    sizes = SIZES[MODES.index(mode) % len(SIZES)]
+    check_engine(model, mse_loss, _batches(sizes, seed=10 + MODES.index(mode)), mode=mode)
+
+
+def _mlm(family):
+    from model_oracle import HID as H
+    from model_oracle import V, _tf
+
+    tf = _tf()
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                  max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if family == "bert":
+        m = tf.BertForMaskedLM(tf.BertConfig(type_vocab_size=2, **common))
+    else:
+        m = tf.RobertaForMaskedLM(tf.RobertaConfig(pad_token_id=1, **common))
+    return MLMWrap(m).to(D)
+
+
+class MLMWrap(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids, mask):
+        return self.m(input_ids=ids, attention_mask=mask).logits
+
+
+def _mlm_loss(logits, target):
+    B, T, V = logits.shape
+    return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="none").reshape(B, T).mean(1)
+
+
+def _mlm_batches(sizes, seed, pad_id):
+    from model_oracle import cls_batches
+
+    return [((ids, m), ids) for (ids, m), _ in cls_batches(sizes, seed, pad_id=pad_id)]
+
+
+@pytest.mark.parametrize("family,mode", [("bert", "BK-MixOpt"), ("roberta", "ghost"),
+                                         pytest.param("bert", "instantiate", marks=pytest.mark.slow),
+                                         pytest.param("roberta", "BK-MixGhostClip", marks=pytest.mark.slow),
+                                         pytest.param("bert", "BK-ghost", marks=pytest.mark.slow)])
+def test_masked_lm_heads(family, mode):
+    pytest.importorskip("transformers")
+    model = _mlm(family)
+    shared = [n for n, _ in model.named_parameters(remove_duplicate=False) if n.endswith("predictions.decoder.bias")
+              or n.endswith("lm_head.decoder.bias")]
+    assert shared, "the tiny MLM no longer ties the head's bias to the decoder's: the test checks nothing"
+    check_engine(model, _mlm_loss, _mlm_batches([3, 1], 7, 0 if family == "bert" else 1), mode=mode)
+
+
+# --------------------------------------------------------------------------- 3. ParameterDict / ParameterList
+
+
+class Containers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIN, DOUT)
+        self.scales = nn.ParameterDict({"a": nn.Parameter(torch.randn(DOUT)), "b": nn.Parameter(torch.randn(DOUT))})
+        self.shifts = nn.ParameterList([nn.Parameter(torch.randn(DOUT)), nn.Parameter(torch.randn(1, DOUT))])
+        self.nested = nn.ModuleDict({"inner": nn.ParameterList([nn.Parameter(torch.randn(DOUT))])})
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.tanh(h * self.scales["a"] + self.shifts[0]) * self.scales["b"] + self.shifts[1] \
+            + self.nested["inner"][0] * h
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_containers(mode):
+    torch.manual_seed(2)
+    model = Containers().to(D)
+    sizes = SIZES[MODES.index(mode) % len(SIZES)]
+    check_engine(model, mse_loss, _batches(sizes, seed=20 + MODES.index(mode)), mode=mode)
+
+
+def _peft(kind, family):
+    from model_oracle import ClsWrap, LMWrap, bert, gpt2
+    from peft import AdaLoraConfig, IA3Config, VeraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = gpt2() if family == "gpt2" else bert()
+    tm = ["c_attn", "c_proj"] if family == "gpt2" else ["query", "value"]
+    kw = dict(target_modules=tm, task_type="CAUSAL_LM" if family == "gpt2" else "SEQ_CLS",
+              fan_in_fan_out=family == "gpt2")
+    if kind == "ia3":
+        cfg = IA3Config(feedforward_modules=[], init_ia3_weights=False, **kw)
+    elif kind == "adalora":
+        cfg = AdaLoraConfig(init_r=2, target_r=1, total_step=10, lora_dropout=0.0, init_lora_weights=False, **kw)
+    else:
+        cfg = VeraConfig(r=4, vera_dropout=0.0, init_weights=False, **kw)
+    pm = get_peft_model(base, cfg)
+    return (LMWrap(pm) if family == "gpt2" else ClsWrap(pm)).to(D)
+
+
+PEFT_CASES = [("ia3", "gpt2", "BK-MixOpt"), ("adalora", "bert", "ghost"), ("vera", "gpt2", "instantiate")]
+PEFT_SLOW = [("ia3", "bert", "BK-ghost"), ("adalora", "gpt2", "BK-MixGhostClip"), ("vera", "bert", "BK-MixOpt"),
+             ("ia3", "gpt2", "BK-MixGhostClip"), ("adalora", "bert", "instantiate"), ("vera", "gpt2", "ghost")]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("kind,family,mode", PEFT_CASES + [pytest.param(*c, marks=pytest.mark.slow)
+                                                           for c in PEFT_SLOW])
+def test_peft_parameterdict_adapters(kind, family, mode):
+    pytest.importorskip("peft")
+    from model_oracle import cls_batches, cls_loss, lm_batches, lm_loss
+
+    model = _peft(kind, family)
+    assert any(p.requires_grad for n, p in model.named_parameters()
+               if any(k in n for k in ("ia3_l", "lora_E", "vera_lambda")))
+    data = lm_batches([3, 1], 30) if family == "gpt2" else cls_batches([3, 1], 31, pad_id=0)
+    check_engine(model, lm_loss if family == "gpt2" else cls_loss, data, mode=mode)
+
+
+# --------------------------------------------------------------------------- 4. parametrizations
+
+
+def _leafy(model):
+    """Legacy weight_norm / prune keep ``weight`` as a computed tensor; a no-grad forward makes it a leaf, so the
+    oracle's deepcopy works (torch refuses to deepcopy a non-leaf attribute)."""
+    with torch.no_grad():
+        model(torch.zeros(1, DIN, dtype=D))
+    return model
+
+
+def _parametrized(which):
+    from torch.nn.utils import parametrizations, prune
+
+    torch.manual_seed(3)
+    first = nn.Linear(DIN, HID)
+    last = nn.Linear(HID, DOUT)
+    if which == "weight_norm":
+        first = parametrizations.weight_norm(first)
+    elif which == "spectral_norm":
+        first = parametrizations.spectral_norm(first)
+    elif which == "orthogonal":
+        last = parametrizations.orthogonal(nn.Linear(HID, HID))
+        return nn.Sequential(first.to(D), nn.Tanh(), last.to(D), nn.Linear(HID, DOUT).to(D)).to(D)
+    elif which == "legacy_weight_norm":
+        with pytest.warns(FutureWarning):
+            first = torch.nn.utils.weight_norm(first)
+    elif which == "prune":
+        prune.random_unstructured(first, "weight", 0.4)
+        prune.l1_unstructured(last, "weight", 0.3)
+    model = nn.Sequential(first, nn.Tanh(), last).to(D)
+    if which == "spectral_norm":
+        model.eval()  # power iteration off: the batch-of-one oracle would iterate once per sample
+    return _leafy(model)
+
+
+PARAMETRIZATIONS = ["weight_norm", "spectral_norm", "orthogonal", "legacy_weight_norm", "prune"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("which", PARAMETRIZATIONS)
+def test_parametrizations(which, mode):
+    model = _parametrized(which)
+    sizes = SIZES[MODES.index(mode) % len(SIZES)]
+    check_engine(model, mse_loss, _batches(sizes, seed=40 + MODES.index(mode)), mode=mode)
+
+
+def test_spectral_norm_train_mode_iterates_once_per_forward():
+    """In train mode spectral_norm updates its power-iteration buffers ``u``, ``v`` in each forward call. The
+    per-sample replay must not update them again (the buffers after a step equal those after one plain forward),
+    and the released gradient equals the oracle's on the weight that forward used (eval mode, same buffers)."""
+    from model_oracle import oracle_for
+    from oracle import clipped_sum, released_grads
+
+    model = _parametrized("spectral_norm").train()
+    reference = copy.deepcopy(model)
+    (x,), y = _batches([4], seed=50)[0]
+    with torch.no_grad():
+        reference(x)  # one power iteration, as the engine's forward will do
+    want_u = reference[0].parametrizations.weight[0]._u.clone()
+    engine = make_engine(model, batch_size=4, R=0.05, mode="BK-MixOpt")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    mse_loss(model(x), y).mean().backward()
+    opt.step()
+    torch.testing.assert_close(model[0].parametrizations.weight[0]._u, want_u, rtol=0, atol=0)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    _, names, groups, psg = oracle_for(reference.eval(), mse_loss, [((x,), y)])
+    want = clipped_sum(psg, groups, "abadi", 0.05, 4)
+    got = released_grads(model, names)
+    for n in names:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-10)
+
+
+def test_parametrized_module_is_the_owner():
+    model = _parametrized("weight_norm")
+    engine = make_engine(model, batch_size=2)
+    owned = {name: sorted(names) for name, _, _, names in engine._hooked}
+    assert owned["0"] == ["bias", "parametrizations.weight.original0", "parametrizations.weight.original1"]
+    assert "0.parametrizations.weight" not in owned
+    assert parametrize.is_parametrized(model[0])
