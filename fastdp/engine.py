@@ -42,7 +42,7 @@ from fastdp.bookkeeping import (
     instantiate_on_arrival,
 )
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
-from fastdp.layers import expand, generic, kind_for
+from fastdp.layers import batchdim, expand, generic, kind_for
 from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
@@ -495,8 +495,14 @@ class PrivacyEngine:
             "freeze the parameter.")
 
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The batch size of this forward call of the model: the leading dimension of its first tensor input."""
-        self._forward_batch.append(generic.first_batch_size(args, kwargs))
+        """The batch size of this forward call of the model: the leading size its tensor inputs agree on
+        (:func:`fastdp.layers.batchdim.infer_batch_size`)."""
+        try:
+            B = batchdim.infer_batch_size(args, kwargs)
+        except batchdim.AmbiguousBatchError:
+            self._forward_batch.append(None)  # popped by _root_post, which runs also when this pre-hook raises
+            raise
+        self._forward_batch.append(B)
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._forward_batch:
@@ -553,7 +559,7 @@ class PrivacyEngine:
             return tree_unflatten(leaves, spec) if replaced else None
         B = self._batch()
         if B is None:
-            B = generic.first_batch_size(args, kwargs)
+            B = batchdim.infer_batch_size(args, kwargs, where=label)
         if exp is not None and exp.verified and exp.batch != B:
             exp.reason = f"batch size {exp.batch} at the call's start, {B} at its end"
         if exp is not None and not exp.verified:
@@ -626,7 +632,7 @@ class PrivacyEngine:
                 and all(module._parameters.get(n) is p for n, p in expand.items())):  # not a nested call of itself
             B = self._batch()
             if B is None:
-                B = generic.first_batch_size(args, kwargs)
+                B = batchdim.infer_batch_size(args, kwargs, where=type(module).__name__)
             if B is not None and B >= 1:
                 call = _start_expansion(module, expand, B, self._anchor)
         self._expand_stack.append(call)

@@ -349,3 +349,93 @@ def test_parametrized_module_is_the_owner():
     assert owned["0"] == ["bias", "parametrizations.weight.original0", "parametrizations.weight.original1"]
     assert "0.parametrizations.weight" not in owned
     assert parametrize.is_parametrized(model[0])
+
+
+# --------------------------------------------------------------------------- 6. batch size from the inputs' agreement
+
+T_POS, VOC = 7, 13
+
+
+class PositionsFirst(nn.Module):
+    """``forward(pos, ids)``: shared position ids ``(1, T)`` come first, the per-sample ids ``(B, T)`` second."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOC, 4)
+        self.pos = nn.Embedding(T_POS, 4)
+        self.scale = nn.Parameter(torch.randn(1, T_POS, 1))  # a raw parameter (generic path) broadcast over B
+        self.head = nn.Linear(4, DOUT)
+
+    def forward(self, pos, ids):
+        h = torch.tanh(self.tok(ids) + self.pos(pos)) * self.scale
+        return self.head(h.mean(1))
+
+
+class IdsOnly(nn.Module):
+    """The oracle's view: the same parameters, the shared positions made inside (so every input is per sample)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(torch.arange(T_POS).unsqueeze(0), ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_size_from_agreeing_inputs(mode):
+    from model_oracle import oracle_for
+    from oracle import assert_grads_close, choose_R, clipped_sum, run_engine_once
+
+    # B == DOUT, B == 1, B == the embedding width 4. (B == T is refused, not silently wrong: an output (1, T, d)
+    # with T == B is indistinguishable from an (L, B, H) RNN state, see generic.is_broadcast.)
+    sizes = [[3, 1], [1], [4], [2, 1], [5]][MODES.index(mode)]
+    torch.manual_seed(5)
+    model = PositionsFirst().to(D)
+    g = torch.Generator().manual_seed(60 + MODES.index(mode))
+    data = [((torch.randint(0, VOC, (n, T_POS), generator=g),), torch.randn(n, DOUT, generator=g, dtype=D))
+            for n in sizes]
+    _, names, groups, psg = oracle_for(IdsOnly(model), mse_loss, data)
+    R = choose_R(psg, groups)
+    want = {n.removeprefix("inner."): v for n, v in clipped_sum(psg, groups, "abadi", R, sum(sizes)).items()}
+    pos = torch.arange(T_POS).unsqueeze(0)
+    engine_data = [((pos, ids), y) for (ids,), y in data]
+    _, _, got = run_engine_once(model, mse_loss, engine_data, batch_size=sum(sizes), R=R, fn="abadi",
+                                style="all-layer", mode=mode, reduction="mean")
+    unclipped = {n.removeprefix("inner."): v.sum(0) / sum(sizes) for n, v in psg.items()}
+    assert any(not torch.allclose(want[n], unclipped[n], rtol=1e-3) for n in want), "R does not clip"
+    assert_grads_close(got, want, rtol=1e-6, atol=1e-10)
+
+
+def test_infer_batch_size_rules():
+    from fastdp.layers.batchdim import AmbiguousBatchError, infer_batch_size
+
+    t = torch.zeros
+    assert infer_batch_size((t(1, 7), t(3, 7)), {}) == 3
+    assert infer_batch_size((t(1, 7),), {"ids": t(1, 7)}) == 1
+    assert infer_batch_size((t(0, 7), t(1, 7)), {}) == 0
+    assert infer_batch_size((t(4, 2), t(4, 9), t(9, 2)), {}) == 4
+    assert infer_batch_size((3, "x"), {"t": t(())}) is None
+    with pytest.raises(AmbiguousBatchError, match=r"\(3, 5\).*\(4, 5\).*\[3, 4\]"):
+        infer_batch_size((t(3, 5), t(4, 5)), {})
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, DOUT)
+        self.b = nn.Linear(5, DOUT)
+
+    def forward(self, x, z):
+        return self.a(x).sum(0) + self.b(z).sum(0)
+
+
+def test_disagreeing_inputs_are_refused():
+    from fastdp.layers.batchdim import AmbiguousBatchError
+
+    model = TwoInputs().to(D)
+    engine = make_engine(model, batch_size=3)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(AmbiguousBatchError, match=r"shapes \[\(3, 5\), \(4, 5\)\]"):
+        model(torch.randn(3, 5, dtype=D), torch.randn(4, 5, dtype=D))
+    assert engine._forward_batch == []  # the refused call left no state behind

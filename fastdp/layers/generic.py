@@ -83,9 +83,10 @@ def first_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | Non
 
 
 def is_broadcast(t: torch.Tensor, batch: int) -> bool:
-    """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and no other dimension of the
-    batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension elsewhere and is not expanded)."""
-    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1 and batch not in t.shape[1:]
+    """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and a second dimension that is not
+    the batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension second and is not expanded; a
+    broadcast ``(1, T, d)`` whose ``d`` equals the batch size is)."""
+    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1 and (t.dim() == 1 or t.shape[1] != batch)
 
 
 @dataclass(eq=False)
