@@ -571,16 +571,26 @@ class PrivacyEngine:
         stats["expanded" if expanded else "replayed"] += 1
         new_leaves = list(leaves)
         hooked: list[int] = []
+        declared = generic.output_batch_dims(module, leaves) or [None] * len(leaves)
+        out_dims: list[int] = []
         for j, leaf in enumerate(leaves):
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1):
                 continue
-            if B is not None and leaf.shape[0] == B:
+            d = declared[j]
+            if d is not None and B is not None and leaf.shape[d] == B:  # batch dimension declared by the owner
                 hooked.append(j)
-            elif B is not None and generic.is_broadcast(leaf, B):
+                out_dims.append(d)
+            elif d is None and B is not None and leaf.shape[0] == B:
+                hooked.append(j)
+                out_dims.append(0)
+            elif d is None and B is not None and generic.is_broadcast(leaf, B):
                 new_leaves[j] = leaf.expand(B, *leaf.shape[1:])
                 hooked.append(j)
-            elif leaf.requires_grad:
-                new_leaves[j] = leaf.view_as(leaf)
+                out_dims.append(0)
+            else:
+                # no batch dimension: a gradient reaching it cannot be attributed (it requires grad through the anchor
+                # also when nothing upstream does, e.g. an RNN's state with batch_first=False in the first layer)
+                new_leaves[j] = leaf.view_as(leaf) if leaf.requires_grad else leaf + self._anchor(leaf)
                 new_leaves[j].register_hook(partial(self._unattributable, label, j))
         if expanded:
             return self._expanded_record(module, exp, names, label, leaves, new_leaves, spec)
@@ -589,10 +599,10 @@ class PrivacyEngine:
                 f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
                 "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "
                 "cannot be attributed to samples. Freeze them, or return per-sample outputs.")
-        args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B)
+        args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module)
         call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
                                    outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
-                                   label=label, autocast=autocast_state(), rng=rng)
+                                   label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims)
         rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
                      autocast=call.autocast)
         call.grads.extend([None] * len(hooked))
@@ -639,6 +649,8 @@ class PrivacyEngine:
 
     @staticmethod
     def _unattributable(label: str, j: int, grad: torch.Tensor) -> None:
+        if not bool(grad.any()):
+            return  # (a zero gradient carries nothing)
         raise RuntimeError(
             f"output {j} of module {label!r} has no batch dimension but received a gradient: its contribution to "
             "the owner's trainable parameters cannot be attributed to samples.")
