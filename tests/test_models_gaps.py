@@ -439,3 +439,101 @@ def test_disagreeing_inputs_are_refused():
     with pytest.raises(AmbiguousBatchError, match=r"shapes \[\(3, 5\), \(4, 5\)\]"):
         model(torch.randn(3, 5, dtype=D), torch.randn(4, 5, dtype=D))
     assert engine._forward_batch == []  # the refused call left no state behind
+
+
+# --------------------------------------------------------------------------- 5. RNN classifiers on the final state
+
+RNN_IN, RNN_H, RNN_T = 5, 4, 6
+
+
+class RNNClassifier(nn.Module):
+    """``head(h_n[-1])``: h_n is ``(num_layers*dirs, B, H)``, batch on dim 1. ``with_h0``: a per-sample initial
+    state (batch on dim 1 too) computed from the input."""
+
+    def __init__(self, cell, layers, bidirectional, with_h0=False):
+        super().__init__()
+        self.rnn = getattr(nn, cell)(RNN_IN, RNN_H, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+        self.head = nn.Linear(RNN_H, DOUT)
+        self.with_h0 = with_h0
+
+    def forward(self, x):
+        if self.with_h0:
+            L = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+            h0 = torch.tanh(x[:, 0, :RNN_H]).unsqueeze(0).expand(L, -1, -1).contiguous()
+            out = self.rnn(x, (h0, 2 * h0) if isinstance(self.rnn, nn.LSTM) else h0)
+        else:
+            out = self.rnn(x)
+        h_n = out[1][0] if isinstance(self.rnn, nn.LSTM) else out[1]
+        return self.head(h_n[-1])
+
+
+def _seq_batches(sizes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(n, RNN_T, RNN_IN, generator=g, dtype=D),), torch.randn(n, DOUT, generator=g, dtype=D))
+            for n in sizes]
+
+
+RNN_FAST = [("LSTM", 2, True, False, [4]), ("GRU", 2, False, True, [2]), ("RNN", 1, False, False, [3, 1]),
+            ("LSTM", 1, False, True, [1]), ("GRU", 2, True, False, [3, 1])]  # B == L*dirs == H, B == L, B == 1
+
+
+def _rnn_cases():
+    """Every case in BK-MixOpt; the other modes for half of the cases in the default run, the rest slow."""
+    out = []
+    for i, case in enumerate(RNN_FAST):
+        for k, mode in enumerate(MODES):
+            fast = mode == "BK-MixOpt" or (i + k) % 2 == 0
+            out.append(pytest.param(*case, mode, marks=() if fast else pytest.mark.slow))
+    return out
+
+
+@pytest.mark.parametrize("cell,layers,bidir,h0,sizes,mode", _rnn_cases())
+def test_rnn_final_state(cell, layers, bidir, h0, sizes, mode):
+    torch.manual_seed(7)
+    model = RNNClassifier(cell, layers, bidir, h0).to(D)
+    check_engine(model, mse_loss, _seq_batches(sizes, 70 + MODES.index(mode)), mode=mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("layers,bidir", [(1, False), (1, True), (2, False), (2, True)])
+@pytest.mark.parametrize("h0", [False, True])
+def test_rnn_final_state_grid(cell, layers, bidir, h0, mode):
+    for sizes in ([3, 1], [layers], [RNN_H], [1]):
+        torch.manual_seed(8)
+        model = RNNClassifier(cell, layers, bidir, h0).to(D)
+        check_engine(model, mse_loss, _seq_batches(sizes, 80), mode=mode)
+
+
+class ScaleWithSideOutput(nn.Module):
+    """A generic owner in the first layer whose second output (no batch dimension) depends on its parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(DIN))
+
+    def forward(self, x):
+        return x * self.scale, self.scale.sum().expand(2)
+
+
+class SideOutputNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = ScaleWithSideOutput()
+        self.head = nn.Linear(DIN, DOUT)
+
+    def forward(self, x):
+        h, side = self.first(x)
+        return self.head(h) + side.sum()
+
+
+def test_unattributable_output_of_first_layer_is_refused():
+    """Before: the side output did not require grad (parameters detached, input constant), so its gradient was
+    dropped silently and ``scale`` released without that use."""
+    model = SideOutputNet().to(D)
+    engine = make_engine(model, batch_size=3)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    (x,), y = _batches([3])[0]
+    with pytest.raises(RuntimeError, match=r"output 1 of module 'first' has no batch dimension"):
+        mse_loss(model(x), y).mean().backward()
