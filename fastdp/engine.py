@@ -42,7 +42,7 @@ from fastdp.bookkeeping import (
     instantiate_on_arrival,
 )
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
-from fastdp.layers import batchdim, expand, generic, kind_for
+from fastdp.layers import batchdim, checkpointing, expand, generic, kind_for
 from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
@@ -200,6 +200,7 @@ class PrivacyEngine:
         # parameters detached by the forward calls in progress, one list per call (calls nest like a stack)
         self._detached_now: list[list[nn.Parameter]] = []
         self._forward_batch: list[int | None] = []  # batch size of the model's forward calls in progress
+        self._grad_at_root: list[bool] = []  # whether autograd was on at the start of those calls
         self._rng_stack: list[Any] = []  # RNG states at the start of the generic owners' calls in progress
         # verified expansions of the generic owners' calls in progress (None: the call is replayed)
         self._expand_stack: list[expand.ExpandedCall | None] = []
@@ -468,6 +469,11 @@ class PrivacyEngine:
         self._detached_now.append(detached)  # always pushed: the forward hook always pops
         if self._in_bookkeeping:
             return
+        if (not torch.is_grad_enabled() and self._grad_at_root and self._grad_at_root[-1]
+                and checkpointing.in_reentrant_checkpoint()):
+            label = next((n or "<root>" for n, m, _, _ in self._hooked if m is module), "?")
+            names = [n for n, p in self._trainable.items() if any(p is q for q in params)]
+            raise RuntimeError(checkpointing.reentrant_message(label, type(module).__name__, names))
         for p in params:
             if p.requires_grad:
                 p.requires_grad_(False)
@@ -497,6 +503,7 @@ class PrivacyEngine:
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The batch size of this forward call of the model: the leading size its tensor inputs agree on
         (:func:`fastdp.layers.batchdim.infer_batch_size`)."""
+        self._grad_at_root.append(torch.is_grad_enabled())
         try:
             B = batchdim.infer_batch_size(args, kwargs)
         except batchdim.AmbiguousBatchError:
@@ -507,6 +514,8 @@ class PrivacyEngine:
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._forward_batch:
             self._forward_batch.pop()
+        if self._grad_at_root:
+            self._grad_at_root.pop()
 
     def _batch(self) -> int | None:
         return self._forward_batch[-1] if self._forward_batch else None

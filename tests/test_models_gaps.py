@@ -537,3 +537,61 @@ def test_unattributable_output_of_first_layer_is_refused():
     (x,), y = _batches([3])[0]
     with pytest.raises(RuntimeError, match=r"output 1 of module 'first' has no batch dimension"):
         mse_loss(model(x), y).mean().backward()
+
+
+# --------------------------------------------------------------------------- 7. activation checkpointing
+
+
+class Checkpointed(nn.Module):
+    """A raw parameter of the model (generic path, detached during the model's forward) feeds a checkpointed
+    layer: under ghost differentiation the checkpoint's input does not require grad."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(DIN))
+        self.a = nn.Linear(DIN, HID)
+        self.b = nn.Linear(HID, DOUT)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.a, x + self.shift, use_reentrant=self.reentrant)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_reentrant_checkpoint_is_exact(mode):
+    torch.manual_seed(9)
+    model = Checkpointed(reentrant=False).to(D)
+    check_engine(model, mse_loss, _batches(SIZES[MODES.index(mode) % len(SIZES)], 90), mode=mode)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_reentrant_checkpoint_is_refused():
+    model = Checkpointed(reentrant=True).to(D)
+    (x,), y = _batches([3])[0]
+    model(x).sum().backward()
+    assert model.a.weight.grad is not None and model.a.weight.grad.abs().sum() > 0  # plain autograd: a gradient
+    model.zero_grad()
+    engine = make_engine(model, batch_size=3)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"module 'a' \(Linear\) with trainable parameters \['a.weight', 'a.bias'\]"
+                                           r".*use_reentrant=True.*use_reentrant=False"):
+        model(x)
+    assert engine._forward_batch == [] and engine._grad_at_root == [] and engine._detached_now == []
+    with torch.no_grad():  # evaluation without autograd is not refused
+        model(x)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_gradient_checkpointing_is_exact():
+    pytest.importorskip("transformers")
+    from model_oracle import LMWrap, gpt2, lm_batches, lm_loss
+
+    torch.manual_seed(0)
+    base = gpt2()
+    getattr(base, "activation_checkpointing_enable", base.gradient_checkpointing_enable)()
+    assert base.transformer.gradient_checkpointing
+    model = LMWrap(base).to(D).train()
+    check_engine(model, lm_loss, lm_batches([3, 1], 91), mode="BK-MixOpt")

@@ -38,6 +38,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fastdp.layers.base import LayerKind, replay_autocast, to_accumulation
+from fastdp.layers.checkpointing import plain_checkpoints
 from fastdp.layers.owners import parametrizations_frozen
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class GenericKind(LayerKind):
             return pullback(cot_i)[0], outs
 
         with (torch.no_grad(), replay_autocast(call.autocast), warnings.catch_warnings(),
-              parametrizations_frozen(module)):
+              parametrizations_frozen(module), plain_checkpoints()):
             warnings.filterwarnings("ignore", message=".*performance drop.*")  # functorch's batching fallbacks
             try:
                 # Random operations (dropout) draw from the generators as they were at the real call; vmap's
