@@ -604,6 +604,11 @@ class PrivacyEngine:
         if expanded:
             return self._expanded_record(module, exp, names, label, leaves, new_leaves, spec)
         if B is None or not hooked:
+            parts = label.split(".") if label != "<root>" else []
+            chain = [type(self.model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts), -1, -1)]
+            why = batchdim.no_batch_message(label, chain, [args, kwargs], B)
+            if why is not None:
+                raise RuntimeError(why)
             raise RuntimeError(
                 f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
                 "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "

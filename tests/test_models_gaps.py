@@ -595,3 +595,61 @@ def test_hf_gradient_checkpointing_is_exact():
     assert base.transformer.gradient_checkpointing
     model = LMWrap(base).to(D).train()
     check_engine(model, lm_loss, lm_batches([3, 1], 91), mode="BK-MixOpt")
+
+
+# --------------------------------------------------------------------------- 8. folded batch axis, MoE routing
+
+
+def _refusal(model, x, match):
+    engine = make_engine(model, batch_size=x.shape[0])
+    engine.attach(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    with pytest.raises(RuntimeError, match=match):
+        out = model(x)
+        (out.logits if hasattr(out, "logits") else out).float().pow(2).sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_routing_is_refused_by_name(family):
+    pytest.importorskip("transformers")
+    from model_oracle import FFN as F_
+    from model_oracle import HID as H
+    from model_oracle import V, _tf
+
+    tf = _tf()
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=F_, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=16, attn_implementation="eager")
+    if family == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+    else:
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                                         shared_expert_intermediate_size=8, **common))
+    ids = torch.randint(0, V, (3, 7), generator=torch.Generator().manual_seed(1))  # float32: HF's grouped matmul
+    _refusal(model, ids, r"mixture-of-experts layer .*\(size 21 = 7 \* 3\) and the router sends them to experts")
+
+
+def test_swin_window_folding_is_refused_by_name():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
+                              window_size=2, embed_dim=8, depths=(1, 1), num_heads=(1, 2), num_classes=3).eval()
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    # 32/4 = 8x8 patches in 2x2 windows: 16 windows per image
+    _refusal(model, x, r"the batch axis is folded into dimension 0 \(size 48 = 16 \* 3\) before module "
+                       r"'layers.0.blocks.0.attn' \(WindowAttention\)")
+
+
+class Gathered(nn.Module):
+    """Rows of the batch gathered into a set of another size before a generic owner."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = ScaleWithSideOutput()
+
+    def forward(self, x):
+        return self.scale(x[torch.tensor([0, 1, 0, 1, 2])])[0].sum(0, keepdim=True).expand(x.shape[0], -1)
+
+
+def test_gathered_rows_are_refused_by_name():
+    _refusal(Gathered().to(D), torch.randn(3, DIN, dtype=D), r"leading size 5, neither the batch size 3")

@@ -49,4 +49,35 @@ def infer_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any], *, where: st
     return ranked[0][0]
 
 
-__all__ = ["AmbiguousBatchError", "infer_batch_size"]
+
+
+
+_MOE = ("moe", "expert", "router")
+
+
+def no_batch_message(label: str, type_names: list[str], inputs: list[Any], batch: int | None) -> str | None:
+    """Why a module whose outputs have no batch dimension gets no per-sample gradients, when the shapes say why:
+    tokens of the whole batch routed to experts (a module or ancestor type named like ``*MoE*``, ``*Experts``,
+    ``*Router``), or the batch folded into dimension 0 (leading size ``X = k * B``, Swin's window partition, OPT's
+    ``reshape(-1, d)``), or a leading size that is neither. ``type_names``: the module's type name, then its
+    ancestors'; ``inputs``: the tensors the module received. ``None`` if no input has a leading size to blame."""
+    sizes = [x.shape[0] for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not batch or not sizes or all(s == batch for s in sizes):
+        return None
+    X = next(s for s in sizes if s != batch)
+    head = f"module {label!r} ({type_names[0]})"
+    fold = f"size {X} = {X // batch} * {batch}" if X % batch == 0 and X > batch else f"size {X}, batch size {batch}"
+    if any(k in t.lower() for t in type_names for k in _MOE):
+        return (f"{head} is part of a mixture-of-experts layer ({' < '.join(type_names[1:3])}): the tokens of the "
+                f"whole batch are flattened into dimension 0 ({fold}) and the router sends them to experts across "
+                "samples, so the router's and experts' gradients cannot be attributed to samples. Freeze the router "
+                "and the experts (train the attention, embeddings and norms), or use a dense model.")
+    if X % batch == 0 and X > batch:
+        return (f"the batch axis is folded into dimension 0 ({fold}) before {head}, as in Swin's window partition "
+                "or x.reshape(-1, d): rows of several samples share that axis, so its parameters' gradients cannot be "
+                "attributed to samples. Keep the batch dimension first in the model's forward, or freeze the "
+                "module's parameters.")
+    return (f"{head} receives inputs with leading size {X}, neither the batch size {batch} nor a multiple of it: the "
+            "samples are gathered, routed or mixed before it, so its parameters' gradients cannot be attributed to "
+            "samples. Keep the batch dimension first, or freeze the module's parameters.")
+__all__ = ["AmbiguousBatchError", "infer_batch_size", "no_batch_message"]
