@@ -599,7 +599,7 @@ class PrivacyEngine:
             else:
                 # no batch dimension: a gradient reaching it cannot be attributed (it requires grad through the anchor
                 # also when nothing upstream does, e.g. an RNN's state with batch_first=False in the first layer)
-                new_leaves[j] = leaf.view_as(leaf) if leaf.requires_grad else leaf + self._anchor(leaf)
+                new_leaves[j] = leaf + self._anchor(leaf)  # a new node, not a view (see below)
                 new_leaves[j].register_hook(partial(self._unattributable, label, j))
         if expanded:
             return self._expanded_record(module, exp, names, label, leaves, new_leaves, spec)
@@ -624,8 +624,10 @@ class PrivacyEngine:
             out = new_leaves[j]
             if out is leaves[j] and out.requires_grad:
                 # a new node: the hook must see only the gradient from outside the owner, not from uses of the same
-                # tensor inside its forward (T5 adds its returned position bias to its own attention scores)
-                out = out.view_as(out)
+                # tensor inside its forward (T5 adds its returned position bias to its own attention scores).
+                # Not a view: a hook on a view that the caller modifies in place never fires (HF Falcon adds the
+                # attention output to its MLP's output with +=), and the owner would be released without it.
+                out = out + self._anchor(out)
             new_leaves[j] = self._hook_output(out, rec, k)
         self._pending.append(rec)
         return tree_unflatten(new_leaves, spec)

@@ -108,17 +108,35 @@ def test_kind_for_requires_the_base_forward():
         assert kind_for(own) is None, type(m)
 
 
+class InPlaceAfter(nn.Module):
+    """Falcon's layout: the output of a generic owner is modified in place by its caller (mlp_output += attn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(DIN, HID)
+        self.mlp = TwiceBiasLinear(HID, DOUT)
+        self.attn = nn.Linear(HID, DOUT)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        out = self.mlp(h)
+        out += self.attn(h)
+        return out
+
+
 def _subclass_model(which):
     torch.manual_seed(0)
     if which == "linear":
         return nn.Sequential(nn.Linear(DIN, HID), nn.Tanh(), TwiceBiasLinear(HID, DOUT)).to(D)
+    if which == "inplace":
+        return InPlaceAfter().to(D)
     if which == "conv":
         return ConvNet().to(D)
     return EmbNet().to(D)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("which", ["linear", "conv", "embedding"])
+@pytest.mark.parametrize("which", ["linear", "inplace", "conv", "embedding"])
 def test_subclass_with_own_forward(which, mode):
     sizes = SIZES[MODES.index(mode) % len(SIZES)]
     model = _subclass_model(which)
@@ -653,3 +671,20 @@ class Gathered(nn.Module):
 
 def test_gathered_rows_are_refused_by_name():
     _refusal(Gathered().to(D), torch.randn(3, DIN, dtype=D), r"leading size 5, neither the batch size 3")
+
+
+@pytest.mark.slow
+def test_hf_falcon_linear_subclass():
+    """HF Falcon's MLP uses FalconLinear (an nn.Linear subclass with its own forward): generic path, exact. (Its
+    decoder adds the attention output to dense_4h_to_h's output in place; that used to lose the hook.)"""
+    pytest.importorskip("transformers")
+    from model_oracle import F32_INSIDE, HID, LMWrap, V, _tf, lm_batches, lm_loss
+
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.FalconConfig(vocab_size=V, hidden_size=HID, num_hidden_layers=2, num_attention_heads=2,
+                          hidden_dropout=0.0, attention_dropout=0.0, attn_implementation="eager", bias=True)
+    model = LMWrap(tf.FalconForCausalLM(cfg)).to(D)
+    linears = [m for m in model.modules() if type(m).__name__ == "FalconLinear"]
+    assert linears and all(kind_for(m) is None for m in linears)
+    check_engine(model, lm_loss, lm_batches([3, 1], 95), mode="BK-MixOpt", atol_rel=F32_INSIDE["llama"])
