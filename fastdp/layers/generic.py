@@ -102,14 +102,6 @@ def _rnn_state_dims(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     return arg_dims, kwarg_dims
 
 
-def first_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The leading dimension of the first tensor among ``args`` then ``kwargs`` (``None`` if there is none)."""
-    for leaf in tree_flatten((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-            return leaf.shape[0]
-    return None
-
-
 def is_broadcast(t: torch.Tensor, batch: int) -> bool:
     """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and a second dimension that is not
     the batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension second and is not expanded; a
