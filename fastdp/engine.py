@@ -45,7 +45,8 @@ from fastdp.bookkeeping import (
     instantiate_on_arrival,
 )
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
-from fastdp.layers import expand, generic, kind_for
+from fastdp.layers import batchdim, checkpointing, expand, generic, kind_for
+from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
 from fastdp.sampling_check import SampleRateMonitor
@@ -213,6 +214,7 @@ class PrivacyEngine:
         self._next_forward = 0
         self._dead_forwards: set[int] = set()  # forward calls whose records were discarded after a failure
         self._paused = 0  # depth of `with engine.paused()`
+        self._grad_at_root: list[bool] = []  # whether autograd was on at the start of those calls
         self._rng_stack: list[Any] = []  # RNG states at the start of the generic owners' calls in progress
         # verified expansions of the generic owners' calls in progress (None: the call is replayed)
         self._expand_stack: list[expand.ExpandedCall | None] = []
@@ -328,8 +330,15 @@ class PrivacyEngine:
                     in_subtree.update(id(p) for _, p in owned_sub)
             direct = [(a, p) for a, p in module.named_parameters(recurse=False)
                       if id(p) in trainable_ids and id(p) not in in_subtree]
+            # never-called containers, parametrizations, parameters also held by a descendant (layers/owners.py)
+            extra = [(a, p) for a, p in ownership.extra_owned(module) if id(p) in trainable_ids
+                     and id(p) not in in_subtree and all(p is not q for _, q in direct)]
+            whole = bool(extra) or ownership.shared_with_descendants(module, direct)
+            direct += extra
+            if whole:
+                in_subtree.update(id(p) for _, p in direct)
             if direct:
-                kind = kind_for(module)
+                kind = None if whole else kind_for(module)
                 if kind is not None and all(a in ("weight", "bias") for a, _ in direct):
                     reason = kind.unsupported_reason(module)
                     if reason is not None:
@@ -397,17 +406,19 @@ class PrivacyEngine:
         capture_all = self.clipping_mode == "ghost"
         for mname, module, kind, names in self._hooked:
             params = [self._param_of[(id(module), n)] for n in sorted(names)]
-            hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
+            # prepended: they run before the module's own pre-hooks (legacy weight_norm and prune compute the
+            # weight from the trainable originals there), detach first, then the generic owner's pre-hook
             if kind is generic.GENERIC:
                 exp = {n: self._param_of[(id(module), n)] for n in sorted(names)}
                 if not all("." not in n and expand.expandable(p) for n, p in exp.items()):
                     exp = None
                 hooks.append(module.register_forward_pre_hook(partial(self._generic_pre, expand=exp),
-                                                              with_kwargs=True))
+                                                              with_kwargs=True, prepend=True))
                 hook = partial(self._generic_hook, names=names, label=mname or "<root>")
             else:
                 needs_act = capture_all or kind.needs_activation(module, names)
                 hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
+            hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params), prepend=True))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
         for name, p in self._trainable.items():
             # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.
@@ -468,6 +479,7 @@ class PrivacyEngine:
         self._anchors.clear()
         self._callback_queued = False
         self._rng_stack.clear()
+        self._grad_at_root.clear()
         self._forward_batch.clear()
         self._forward_ids.clear()
         self._backward_seen = False
@@ -510,6 +522,11 @@ class PrivacyEngine:
         self._detached_now.append(detached)  # always pushed: the forward hook always pops
         if self._in_bookkeeping:
             return
+        if (not torch.is_grad_enabled() and self._grad_at_root and self._grad_at_root[-1]
+                and checkpointing.in_reentrant_checkpoint()):
+            label = next((n or "<root>" for n, m, _, _ in self._hooked if m is module), "?")
+            names = [n for n, p in self._trainable.items() if any(p is q for q in params)]
+            raise RuntimeError(checkpointing.reentrant_message(label, type(module).__name__, names))
         for p in params:
             if p.requires_grad:
                 p.requires_grad_(False)
@@ -537,18 +554,27 @@ class PrivacyEngine:
             "freeze the parameter.")
 
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The batch size of this forward call of the model: the leading dimension of its first tensor input.
-        An outermost call first discards what a failed forward or backward pass left behind."""
+        """The batch size of this forward call of the model: the leading size its tensor inputs agree on
+        (:func:`fastdp.layers.batchdim.infer_batch_size`). An outermost call first discards what a failed forward
+        or backward pass left behind."""
         if not self._forward_ids:
             self._recover()
-        self._forward_batch.append(generic.first_batch_size(args, kwargs))
+        self._grad_at_root.append(torch.is_grad_enabled())
         self._forward_ids.append((self._next_forward, sys.exc_info()[1]))
         self._next_forward += 1
+        try:
+            B = batchdim.infer_batch_size(args, kwargs)
+        except batchdim.AmbiguousBatchError:
+            self._forward_batch.append(None)  # popped by _root_post, which runs also when this pre-hook raises
+            raise
+        self._forward_batch.append(B)
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""
         if self._forward_batch:
             self._forward_batch.pop()
+        if self._grad_at_root:
+            self._grad_at_root.pop()
         if not self._forward_ids:
             return
         fid, handled = self._forward_ids.pop()
@@ -617,7 +643,7 @@ class PrivacyEngine:
             return tree_unflatten(leaves, spec) if replaced else None
         B = self._batch()
         if B is None:
-            B = generic.first_batch_size(args, kwargs)
+            B = batchdim.infer_batch_size(args, kwargs, where=label)
         if exp is not None and exp.verified and exp.batch != B:
             exp.reason = f"batch size {exp.batch} at the call's start, {B} at its end"
         if exp is not None and not exp.verified:
@@ -629,28 +655,43 @@ class PrivacyEngine:
         stats["expanded" if expanded else "replayed"] += 1
         new_leaves = list(leaves)
         hooked: list[int] = []
+        declared = generic.output_batch_dims(module, leaves) or [None] * len(leaves)
+        out_dims: list[int] = []
         for j, leaf in enumerate(leaves):
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1):
                 continue
-            if B is not None and leaf.shape[0] == B:
+            d = declared[j]
+            if d is not None and B is not None and leaf.shape[d] == B:  # batch dimension declared by the owner
                 hooked.append(j)
-            elif B is not None and generic.is_broadcast(leaf, B):
+                out_dims.append(d)
+            elif d is None and B is not None and leaf.shape[0] == B:
+                hooked.append(j)
+                out_dims.append(0)
+            elif d is None and B is not None and generic.is_broadcast(leaf, B):
                 new_leaves[j] = leaf.expand(B, *leaf.shape[1:])
                 hooked.append(j)
-            elif leaf.requires_grad:
-                new_leaves[j] = leaf.view_as(leaf)
+                out_dims.append(0)
+            else:
+                # no batch dimension: a gradient reaching it cannot be attributed (it requires grad through the anchor
+                # also when nothing upstream does, e.g. an RNN's state with batch_first=False in the first layer)
+                new_leaves[j] = leaf + self._anchor(leaf)  # a new node, not a view (see below)
                 new_leaves[j].register_hook(partial(self._unattributable, label, j))
         if expanded:
             return self._expanded_record(module, exp, names, label, leaves, new_leaves, spec)
         if B is None or not hooked:
+            parts = label.split(".") if label != "<root>" else []
+            chain = [type(self.model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts), -1, -1)]
+            why = batchdim.no_batch_message(label, chain, [args, kwargs], B)
+            if why is not None:
+                raise RuntimeError(why)
             raise RuntimeError(
                 f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
                 "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "
                 "cannot be attributed to samples. Freeze them, or return per-sample outputs.")
-        args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B)
+        args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module)
         call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
                                    outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
-                                   label=label, autocast=autocast_state(), rng=rng)
+                                   label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims)
         rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
                      autocast=call.autocast, forward=self._current_forward())
         call.grads.extend([None] * len(hooked))
@@ -658,8 +699,10 @@ class PrivacyEngine:
             out = new_leaves[j]
             if out is leaves[j] and out.requires_grad:
                 # a new node: the hook must see only the gradient from outside the owner, not from uses of the same
-                # tensor inside its forward (T5 adds its returned position bias to its own attention scores)
-                out = out.view_as(out)
+                # tensor inside its forward (T5 adds its returned position bias to its own attention scores).
+                # Not a view: a hook on a view that the caller modifies in place never fires (HF Falcon adds the
+                # attention output to its MLP's output with +=), and the owner would be released without it.
+                out = out + self._anchor(out)
             new_leaves[j] = self._hook_output(out, rec, k)
         self._pending.append(rec)
         return tree_unflatten(new_leaves, spec)
@@ -691,13 +734,15 @@ class PrivacyEngine:
                 and all(module._parameters.get(n) is p for n, p in expand.items())):  # not a nested call of itself
             B = self._batch()
             if B is None:
-                B = generic.first_batch_size(args, kwargs)
+                B = batchdim.infer_batch_size(args, kwargs, where=type(module).__name__)
             if B is not None and B >= 1:
                 call = _start_expansion(module, expand, B, self._anchor)
         self._expand_stack.append(call)
 
     @staticmethod
     def _unattributable(label: str, j: int, grad: torch.Tensor) -> None:
+        if not bool(grad.any()):
+            return  # (a zero gradient carries nothing)
         raise RuntimeError(
             f"output {j} of module {label!r} has no batch dimension but received a gradient: its contribution to "
             "the owner's trainable parameters cannot be attributed to samples.")
@@ -758,6 +803,7 @@ class PrivacyEngine:
                            len(self._detached_now))
         self._restore_params()
         self._rng_stack.clear()
+        self._grad_at_root.clear()
 
     def _recover(self) -> None:
         """Outside any forward call: discard a backward pass whose end never came (fallback of

@@ -38,6 +38,8 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fastdp.layers.base import LayerKind, replay_autocast, to_accumulation
+from fastdp.layers.checkpointing import plain_checkpoints
+from fastdp.layers.owners import parametrizations_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +75,38 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
-def first_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The leading dimension of the first tensor among ``args`` then ``kwargs`` (``None`` if there is none)."""
-    for leaf in tree_flatten((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-            return leaf.shape[0]
+def output_batch_dims(module: nn.Module, leaves: list[Any]) -> list[int | None] | None:
+    """The batch dimension of each output leaf that ``module`` declares, or ``None`` (the leading-size rule).
+
+    ``nn.RNNBase`` (``batch_first=True``): ``output`` ``(B, T, dirs*H)`` has it first; the final states ``h_n`` (and
+    ``c_n``) ``(num_layers*dirs, B, H)`` second -- a leading size equal to ``B`` there is the number of layers."""
+    if (isinstance(module, nn.RNNBase) and module.batch_first and len(leaves) in (2, 3)
+            and all(isinstance(x, torch.Tensor) for x in leaves) and leaves[0].dim() == 3
+            and all(x.dim() == 3 for x in leaves[1:])):
+        return [0] + [1] * (len(leaves) - 1)
     return None
 
 
+def _rnn_state_dims(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], in_dims: tuple[Any, Any],
+                    batch: int) -> tuple[Any, Any]:
+    """An RNN's initial state ``hx`` ``(num_layers*dirs, B, H)`` (or LSTM's ``(h_0, c_0)``) has its batch dimension
+    second: mark it 1 (batched) or None (shared, size 1 there) instead of by its leading size."""
+    def dim(x: Any) -> int | None:
+        return 1 if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == batch else None
+
+    arg_dims, kwarg_dims = in_dims
+    if len(args) > 1:
+        arg_dims = (arg_dims[0], tree_map(dim, args[1]), *arg_dims[2:])
+    if "hx" in kwargs:
+        kwarg_dims = {**kwarg_dims, "hx": tree_map(dim, kwargs["hx"])}
+    return arg_dims, kwarg_dims
+
+
 def is_broadcast(t: torch.Tensor, batch: int) -> bool:
-    """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and no other dimension of the
-    batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension elsewhere and is not expanded)."""
-    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1 and batch not in t.shape[1:]
+    """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and a second dimension that is not
+    the batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension second and is not expanded; a
+    broadcast ``(1, T, d)`` whose ``d`` equals the batch size is)."""
+    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1 and (t.dim() == 1 or t.shape[1] != batch)
 
 
 @dataclass(eq=False)
@@ -105,6 +127,8 @@ class GenericCall:
     #: names whose per-sample gradients arrive in ``grads`` directly (verified expansion, fastdp.layers.expand):
     #: ``grads[k]`` is the ``(B, *rest)`` gradient of ``expanded[k]``'s expansion; nothing is replayed
     expanded: tuple[str, ...] = ()
+    #: batch dimension of each hooked output (0 unless the owner declares another, see output_batch_dims)
+    out_dims: list[int] = field(default_factory=list)
 
 
 def rng_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -128,8 +152,10 @@ def replayed_rng(state: Any) -> Iterator[None]:
         yield
 
 
-def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> tuple[Any, Any, tuple[Any, Any]]:
-    """Detach the tensors of a forward call and mark which are batched (leading dimension ``batch``)."""
+def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int,
+                   module: nn.Module | None = None) -> tuple[Any, Any, tuple[Any, Any]]:
+    """Detach the tensors of a forward call and mark which are batched (leading dimension ``batch``; an RNN's
+    initial state: second dimension)."""
     def detach(x: Any) -> Any:
         return x.detach() if isinstance(x, torch.Tensor) else x
 
@@ -137,7 +163,10 @@ def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) ->
         return 0 if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch else None
 
     args_d, kwargs_d = tree_map(detach, (tuple(args), dict(kwargs)))
-    return args_d, kwargs_d, tree_map(dim, (args_d, kwargs_d))
+    dims = tree_map(dim, (args_d, kwargs_d))
+    if isinstance(module, nn.RNNBase):
+        dims = _rnn_state_dims(module, args_d, kwargs_d, dims, batch)
+    return args_d, kwargs_d, dims
 
 
 class GenericKind(LayerKind):
@@ -157,8 +186,10 @@ class GenericKind(LayerKind):
         primals = {n: module.get_parameter(n).detach() for n in names_l}
         if B == 0:
             return {n: to_accumulation(p.new_zeros(0, *p.shape)) for n, p in primals.items()}
-        cots = tuple((g if g is not None else torch.zeros_like(o)).to(o.dtype).unsqueeze(1)
-                     for g, o in zip(call.grads, call.outputs, strict=True))
+        out_dims = call.out_dims or [0] * len(call.outputs)
+        # per-sample cotangents: batch dimension d moved first, a batch of one kept at d: (B, ..., 1 at d, ...)
+        cots = tuple((g if g is not None else torch.zeros_like(o)).to(o.dtype).movedim(d, 0).unsqueeze(d + 1)
+                     for g, o, d in zip(call.grads, call.outputs, out_dims, strict=True))
         arg_dims, kwarg_dims = call.in_dims
         args_b, kwargs_b = tree_map(lambda x: x, (call.args, call.kwargs))
         args_b = _unsqueeze_batched(args_b, arg_dims)
@@ -173,7 +204,8 @@ class GenericKind(LayerKind):
             outs, pullback = vjp(f, primals)
             return pullback(cot_i)[0], outs
 
-        with torch.no_grad(), replay_autocast(call.autocast), warnings.catch_warnings():
+        with (torch.no_grad(), replay_autocast(call.autocast), warnings.catch_warnings(),
+              parametrizations_frozen(module), plain_checkpoints()):
             warnings.filterwarnings("ignore", message=".*performance drop.*")  # functorch's batching fallbacks
             try:
                 # Random operations (dropout) draw from the generators as they were at the real call; vmap's
@@ -190,7 +222,8 @@ class GenericKind(LayerKind):
                 with replayed_rng(call.rng):
                     grads, outs = _loop(one, args_b, kwargs_b, cots, (arg_dims, kwarg_dims), B)
         for j, (got, want) in enumerate(zip(outs, call.outputs, strict=True)):
-            got = got.reshape(want.shape)
+            d = out_dims[j]
+            got = got.reshape(want.shape) if d == 0 else got.squeeze(d + 1).movedim(0, d)
             if not _close(got, want):
                 raise RuntimeError(
                     f"module {label} ({type(module).__name__}): replaying its forward one sample at a time does not "
@@ -230,7 +263,7 @@ def _loop(one: Any, args_b: Any, kwargs_b: Any, cots: tuple[torch.Tensor, ...], 
     def pick(tree: Any, tree_dims: Any, i: int) -> Any:
         flat, spec = tree_flatten(tree)
         flat_dims = tree_flatten(tree_dims)[0]
-        return spec.unflatten([x[i] if d == 0 else x for x, d in zip(flat, flat_dims, strict=True)])
+        return spec.unflatten([x.select(d, i) if d is not None else x for x, d in zip(flat, flat_dims, strict=True)])
 
     results = [one(pick(args_b, dims[0], i), pick(kwargs_b, dims[1], i), tuple(c[i] for c in cots))
                for i in range(B)]
@@ -240,12 +273,13 @@ def _loop(one: Any, args_b: Any, kwargs_b: Any, cots: tuple[torch.Tensor, ...], 
 
 
 def _unsqueeze_batched(tree: Any, dims: Any) -> Any:
-    """Batched tensors ``(B, ...)`` become ``(B, 1, ...)``: vmap then hands each sample a batch of one."""
+    """Batched tensors ``(B, ...)`` become ``(B, 1, ...)`` (batch dimension ``d``: a 1 inserted after it): vmap then
+    hands each sample a batch of one."""
     flat, spec = tree_flatten(tree)
     flat_dims = tree_flatten(dims)[0] if dims is not None else [None] * len(flat)
     if len(flat_dims) != len(flat):  # dims is a prefix (None for a whole subtree)
         flat_dims = [None] * len(flat)
-    out = [x.unsqueeze(1) if d == 0 else x for x, d in zip(flat, flat_dims, strict=True)]
+    out = [x.unsqueeze(d + 1) if d is not None else x for x, d in zip(flat, flat_dims, strict=True)]
     return spec.unflatten(out)
 
 

@@ -1,0 +1,83 @@
+"""The batch size of a forward call, from the agreement of its tensor inputs.
+
+Per-sample inputs have the batch dimension first; inputs shared by the whole batch have leading size 1 (HF position
+ids ``(1, T)``) or are not tensors. The batch size ``B`` of a call is therefore the leading size, other than 1, that
+the most tensor inputs share (all of them in the usual case); 1 when every tensor input has leading size 1 (a batch
+of one). Taking the first tensor argument instead gets ``B = 1`` for a model whose first argument is a shared
+``(1, T)`` tensor, and then every output is taken for one value broadcast over the batch.
+
+Two different leading sizes other than 1, equally common, do not identify the batch: :func:`infer_batch_size`
+refuses them (:class:`AmbiguousBatchError`) rather than guess, naming the shapes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+class AmbiguousBatchError(ValueError):
+    """The tensor inputs of a forward call disagree about the batch size."""
+
+
+def infer_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any], *, where: str = "the model") -> int | None:
+    """The batch size of a forward call with inputs ``args``, ``kwargs`` (``None`` if no input tensor has a
+    dimension).
+
+    Leading sizes ``n_j`` of the tensor inputs with at least one dimension; among those ``!= 1``, the most common
+    one; ``1`` if there are none. Raises :class:`AmbiguousBatchError` when two or more sizes ``!= 1`` are equally
+    most common.
+    """
+    shapes = [tuple(leaf.shape) for leaf in tree_flatten((args, kwargs))[0]
+              if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1]
+    if not shapes:
+        return None
+    counts = Counter(s[0] for s in shapes if s[0] != 1)
+    if not counts:
+        return 1
+    ranked = counts.most_common()
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        tied = sorted(n for n, c in ranked if c == ranked[0][1])
+        raise AmbiguousBatchError(
+            f"cannot tell the batch size of this forward call of {where}: its tensor inputs have shapes "
+            f"{shapes}, and the leading sizes {tied} are equally common. fastdp takes the batch size from the "
+            "leading dimension that the inputs agree on; a per-sample input needs the batch dimension first, a "
+            "tensor shared by the whole batch leading size 1 (or make it a buffer or a parameter of the model).")
+    return ranked[0][0]
+
+
+
+
+
+_MOE = ("moe", "expert", "router")
+
+
+def no_batch_message(label: str, type_names: list[str], inputs: list[Any], batch: int | None) -> str | None:
+    """Why a module whose outputs have no batch dimension gets no per-sample gradients, when the shapes say why:
+    tokens of the whole batch routed to experts (a module or ancestor type named like ``*MoE*``, ``*Experts``,
+    ``*Router``), or the batch folded into dimension 0 (leading size ``X = k * B``, Swin's window partition, OPT's
+    ``reshape(-1, d)``), or a leading size that is neither. ``type_names``: the module's type name, then its
+    ancestors'; ``inputs``: the tensors the module received. ``None`` if no input has a leading size to blame."""
+    sizes = [x.shape[0] for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not batch or not sizes or all(s == batch for s in sizes):
+        return None
+    X = next(s for s in sizes if s != batch)
+    head = f"module {label!r} ({type_names[0]})"
+    fold = f"size {X} = {X // batch} * {batch}" if X % batch == 0 and X > batch else f"size {X}, batch size {batch}"
+    if any(k in t.lower() for t in type_names for k in _MOE):
+        return (f"{head} is part of a mixture-of-experts layer ({' < '.join(type_names[1:3])}): the tokens of the "
+                f"whole batch are flattened into dimension 0 ({fold}) and the router sends them to experts across "
+                "samples, so the router's and experts' gradients cannot be attributed to samples. Freeze the router "
+                "and the experts (train the attention, embeddings and norms), or use a dense model.")
+    if X % batch == 0 and X > batch:
+        return (f"the batch axis is folded into dimension 0 ({fold}) before {head}, as in Swin's window partition "
+                "or x.reshape(-1, d): rows of several samples share that axis, so its parameters' gradients cannot be "
+                "attributed to samples. Keep the batch dimension first in the model's forward, or freeze the "
+                "module's parameters.")
+    return (f"{head} receives inputs with leading size {X}, neither the batch size {batch} nor a multiple of it: the "
+            "samples are gathered, routed or mixed before it, so its parameters' gradients cannot be attributed to "
+            "samples. Keep the batch dimension first, or freeze the module's parameters.")
+__all__ = ["AmbiguousBatchError", "infer_batch_size", "no_batch_message"]
