@@ -402,7 +402,6 @@ class PrivacyEngine:
         """Model hooks (everything but the optimizer's): batch size, ghost differentiation, capture, guards."""
         hooks = self._model_handles = []
         root = self.model
-        hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True))
         capture_all = self.clipping_mode == "ghost"
         for mname, module, kind, names in self._hooked:
             params = [self._param_of[(id(module), n)] for n in sorted(names)]
@@ -420,6 +419,8 @@ class PrivacyEngine:
                 hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
             hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params), prepend=True))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
+        # prepended after the modules' pre-hooks, so it runs first of all: the call's batch size and forward id
+        hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True))
         for name, p in self._trainable.items():
             # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.
             hooks.append(p.register_hook(partial(self._outside_use, name)))
