@@ -27,10 +27,12 @@ def __getattr__(name: str):
 
     if name in _ENGINE_NAMES:
         return getattr(importlib.import_module("fastdp.engine"), name)
+    if name == "StructureError":
+        return importlib.import_module("fastdp.probe").StructureError
     if name in _SUBMODULES:
         return importlib.import_module(f"fastdp.{name}")
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "accounting", "data", "validate",
-           "__version__"]
+__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "StructureError", "accounting", "data",
+           "validate", "__version__"]

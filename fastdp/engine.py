@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastdp import accounting
+from fastdp import accounting, probe
 from fastdp.bookkeeping import (
     CLIPPING_MODES,
     ClipConfig,
@@ -45,6 +45,7 @@ from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
 from fastdp.layers import expand, generic, kind_for
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
+from fastdp.probe import StructureError
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,12 @@ class PrivacyEngine:
             :class:`PrivacyBudgetExceeded` before anything is released.
         on_nonfinite: ``"raise"`` (default): a sample whose gradient has NaN/inf stops the step with an error;
             ``"zero"``: such samples get clipping factor 0 (still private), counted in ``nonfinite_samples``.
+        verify_structure: run the structure probe (:mod:`fastdp.probe`) once per new input signature of the model's
+            forward: the engine's per-sample gradients of a few samples are compared with a batch-of-one
+            computation, and a mismatch raises :class:`fastdp.probe.StructureError`. Turning it off gives up that
+            check: a model whose batch axis is not first (per-position clipping), that mixes or reorders samples,
+            or whose hooks rescale a layer's output then trains silently without the stated privacy guarantee.
+            Its cost is in ``probe_stats``.
     """
 
     def __init__(
@@ -142,6 +149,7 @@ class PrivacyEngine:
         secure_mode: bool = False,
         enforce_budget: bool = False,
         on_nonfinite: str = "raise",
+        verify_structure: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -211,6 +219,12 @@ class PrivacyEngine:
         self._logical_sizes: list[int] = []  # logical batch sizes of the first steps (Poisson check)
         self._budget_verified = self._planned_steps or 0  # steps known to stay within target_epsilon
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
+        self.verify_structure = bool(verify_structure)
+        self._probing = False  # the structure probe's passes are running (fastdp.probe)
+        self._probe_reference = False  # its plain / batch-of-one passes: engine hooks inert
+        self._probe_seen: set[Any] = set()  # input signatures verified
+        #: structure probe cost: {"probes": runs, "signatures": verified signatures, "seconds": time, "eval_retries"}
+        self.probe_stats: dict[str, Any] = {"probes": 0, "signatures": 0, "seconds": 0.0, "eval_retries": 0}
         self.optimizer: torch.optim.Optimizer | None = None
 
     def _configure_groups(self) -> None:
@@ -478,6 +492,8 @@ class PrivacyEngine:
                 call.end(None)
 
     def _outside_use(self, name: str, grad: torch.Tensor) -> None:
+        if self._probe_reference:  # the structure probe's reference passes differentiate the parameters
+            return
         raise RuntimeError(
             f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "
             "(e.g. a weight read directly by another module, as in weight tying through F.linear). fastdp cannot "
@@ -485,8 +501,13 @@ class PrivacyEngine:
             "freeze the parameter.")
 
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The batch size of this forward call of the model: the leading dimension of its first tensor input."""
-        self._forward_batch.append(generic.first_batch_size(args, kwargs))
+        """The batch size of this forward call of the model: the leading dimension of its first tensor input.
+        A new input signature is verified first by the structure probe (:mod:`fastdp.probe`)."""
+        B = generic.first_batch_size(args, kwargs)
+        if (self.verify_structure and B is not None and B >= 1 and not self._probing and not self._in_bookkeeping
+                and torch.is_grad_enabled() and not self._forward_batch):
+            probe.maybe_probe(self, module, args, kwargs, B)
+        self._forward_batch.append(B)
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._forward_batch:
@@ -560,7 +581,8 @@ class PrivacyEngine:
                 continue
             if B is not None and leaf.shape[0] == B:
                 hooked.append(j)
-            elif B is not None and generic.is_broadcast(leaf, B):
+            elif B is not None and generic.is_broadcast(leaf, B) and not (
+                    isinstance(module, nn.RNNBase) and B in leaf.shape[1:]):  # (layers, B, H): an RNN's state
                 new_leaves[j] = leaf.expand(B, *leaf.shape[1:])
                 hooked.append(j)
             elif leaf.requires_grad:
@@ -639,7 +661,7 @@ class PrivacyEngine:
         rec.grads[k] = grad
         if rec.activation is not None and self._on_arrival and id(rec.module) not in self._tied_modules:
             instantiate_on_arrival(rec, self.clipping_mode)  # frees the kept tensors where that is cheaper
-        if not self._callback_queued:
+        if not self._callback_queued and not self._probing:  # the probe runs its own book-keeping
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
@@ -847,4 +869,4 @@ def _start_expansion(module: nn.Module, params: dict[str, nn.Parameter], batch: 
     return call
 
 
-__all__ = ["NonFiniteGradientError", "PrivacyBudgetExceeded", "PrivacyEngine", "default_delta"]
+__all__ = ["NonFiniteGradientError", "PrivacyBudgetExceeded", "PrivacyEngine", "StructureError", "default_delta"]

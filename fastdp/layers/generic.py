@@ -82,9 +82,10 @@ def first_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | Non
 
 
 def is_broadcast(t: torch.Tensor, batch: int) -> bool:
-    """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and no other dimension of the
-    batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension elsewhere and is not expanded)."""
-    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1 and batch not in t.shape[1:]
+    """Whether ``t`` is taken as one value for the whole batch: leading size 1 and ``batch > 1``, whatever its other
+    sizes (sizes never decide: a coincidence such as ``T == B`` is a new input signature, which the structure probe,
+    :mod:`fastdp.probe`, verifies; an RNN's ``(layers, B, H)`` state is excluded by the engine's generic hook)."""
+    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1
 
 
 @dataclass(eq=False)
