@@ -75,6 +75,8 @@ _PROBE_RTOL = {torch.float64: 1e-5, torch.float32: 5e-3, torch.bfloat16: 1e-1, t
 #: at most this many probe samples: 0, the middle one and B - 1 (all of them when B <= 4)
 _ALL_BELOW = 4
 _SEED = 0x5EED
+#: parameters are compared relative to at least this fraction of the largest per-sample gradient norm of any parameter
+_FLOOR = 1e-3
 
 
 class StructureError(RuntimeError):
@@ -313,7 +315,11 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                     f"the model fails on a batch of one sample: {type(e).__name__}: {e}"))
     if findings and all(f.check == "batch of one" for f in findings):
         return findings
-    # d. compare
+    # d. compare; a parameter whose gradients are mathematically ~0 (a key bias under softmax) is compared with an
+    # absolute floor of _FLOOR times the largest per-sample gradient norm of any parameter
+    norms = [float(t.detach().double().norm()) for r in (*rows.values(), *refs.values()) for t in r
+             if t is not None]
+    floor = _FLOOR * max(norms or [0.0])
     for n, p, g_sum, k in zip(names, params, G, range(len(names)), strict=True):
         zero = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
 
@@ -322,14 +328,14 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 
         eng = {i: val(rows[i][k]) for i in indices}
         ref = {i: val(refs[i][k]) for i in refs}
-        scale = max([float(t.norm()) for t in (*eng.values(), *ref.values())] or [0.0])
+        scale = max([float(t.norm()) for t in (*eng.values(), *ref.values())] + [floor])
         rtol = _rtol(p.dtype)
         for i in ref:
             err = _rel(eng[i], ref[i], scale)
             if err > rtol:
                 findings.append(Finding("per-sample gradient", repr(n), err, i))
         s_ref, s_eng = val(g_sum), val(total[k])
-        err = _rel(s_eng, s_ref, max(float(s_ref.norm()), float(s_eng.norm()), scale))
+        err = _rel(s_eng, s_ref, max(float(s_ref.norm()), float(s_eng.norm()), scale, floor * B))
         if err > rtol:
             findings.append(Finding("sum of per-sample gradients", repr(n), err))
     return findings
