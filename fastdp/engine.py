@@ -223,6 +223,9 @@ class PrivacyEngine:
         self._probing = False  # the structure probe's passes are running (fastdp.probe)
         self._probe_reference = False  # its plain / batch-of-one passes: engine hooks inert
         self._probe_seen: set[Any] = set()  # input signatures verified
+        self._probe_broadcast: list[nn.Module] = []  # modules whose broadcast output the probe's pass expanded
+        #: module name -> parameter paths it owns on the generic path (the probe's fallback for broadcast outputs)
+        self._extra_owned: dict[str, tuple[str, ...]] = {}
         #: structure probe cost: {"probes": runs, "signatures": verified signatures, "seconds": time, "eval_retries"}
         self.probe_stats: dict[str, Any] = {"probes": 0, "signatures": 0, "seconds": 0.0, "eval_retries": 0}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -297,6 +300,9 @@ class PrivacyEngine:
                     "parameters.")
             entries: list[tuple[LayerKind, list[tuple[str, nn.Parameter]]]] = []
             sub = generic.subtree_owner(module)
+            extra = getattr(self, "_extra_owned", {}).get(mname, ())  # the structure probe's fallback owners
+            if extra:
+                sub = (*(sub or ()), *extra)
             if sub:
                 owned_sub = [(rel, module.get_parameter(rel)) for rel in sub]
                 owned_sub = [(rel, p) for rel, p in owned_sub if id(p) in trainable_ids and id(p) not in in_subtree]
@@ -366,15 +372,19 @@ class PrivacyEngine:
         root = self.model
         hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True))
         capture_all = self.clipping_mode == "ghost"
+        self._root_hook_fns: list[Any] = []  # the root's own pre-hooks (the probe's fallback runs them once)
         for mname, module, kind, names in self._hooked:
             params = [self._param_of[(id(module), n)] for n in sorted(names)]
-            hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params)))
+            pre = [partial(self._detach_params, params=params)]
+            hooks.append(module.register_forward_pre_hook(pre[0]))
             if kind is generic.GENERIC:
                 exp = {n: self._param_of[(id(module), n)] for n in sorted(names)}
                 if not all("." not in n and expand.expandable(p) for n, p in exp.items()):
                     exp = None
-                hooks.append(module.register_forward_pre_hook(partial(self._generic_pre, expand=exp),
-                                                              with_kwargs=True))
+                pre.append(partial(self._generic_pre, expand=exp))
+                hooks.append(module.register_forward_pre_hook(pre[1], with_kwargs=True))
+            if module is root:
+                self._root_hook_fns.extend((fn, k == 1) for k, fn in enumerate(pre))
                 hook = partial(self._generic_hook, names=names, label=mname or "<root>")
             else:
                 needs_act = capture_all or kind.needs_activation(module, names)
@@ -396,6 +406,13 @@ class PrivacyEngine:
             if h in self._handles:
                 self._handles.remove(h)
         self._model_handles = []
+
+    def _rebuild_owners(self) -> None:
+        """Re-discover owners and re-install the model hooks (the structure probe's fallback changed owners)."""
+        self._remove_model_hooks()
+        self._discover(self.model)
+        self._configure_groups()
+        self._install_hooks()
 
     def update_trainable(self) -> None:
         """Re-read which parameters train (``requires_grad``) after freezing or unfreezing some between steps.
@@ -533,6 +550,8 @@ class PrivacyEngine:
         out = output
         broadcast = B is not None and generic.is_broadcast(out, B)
         if broadcast:
+            if self._probing:
+                self._probe_broadcast.append(module)
             # One output for the whole batch (input with batch dimension 1, e.g. HF position ids (1, T)): expand
             # it, so the gradient arrives per sample instead of summed over the batch.
             out = out.expand(B, *out.shape[1:])
@@ -585,6 +604,8 @@ class PrivacyEngine:
                     isinstance(module, nn.RNNBase) and B in leaf.shape[1:]):  # (layers, B, H): an RNN's state
                 new_leaves[j] = leaf.expand(B, *leaf.shape[1:])
                 hooked.append(j)
+                if self._probing:
+                    self._probe_broadcast.append(module)
             elif leaf.requires_grad:
                 new_leaves[j] = leaf.view_as(leaf)
                 new_leaves[j].register_hook(partial(self._unattributable, label, j))

@@ -77,6 +77,7 @@ _ALL_BELOW = 4
 _SEED = 0x5EED
 #: parameters are compared relative to at least this fraction of the largest per-sample gradient norm of any parameter
 _FLOOR = 1e-3
+_ENGINE_FAILED = "engine pass"  # the engine's capture or book-keeping raised (left to the real pass)
 
 
 class StructureError(RuntimeError):
@@ -224,6 +225,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     findings: list[Finding] | None = None
     random_ops: set[str] = set()
     engine._probing = True
+    engine._probe_broadcast = []
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
             with DeterministicDropout() as det:
@@ -234,22 +236,66 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                                "probe in eval mode", sorted(random_ops))
                 stats["eval_retries"] += 1
                 model.eval()
+                engine._probe_broadcast = []
                 with DeterministicDropout():
                     findings = _run(engine, model, args, kwargs, B)
+            if findings and engine._probe_broadcast:
+                if _fallback(engine, model, args, kwargs, B):
+                    findings = []
     finally:
         engine._probing = False
+        engine._probe_broadcast = []
         for m, flag in training:
             m.training = flag
         stats["seconds"] += time.perf_counter() - t0
     stats["probes"] += 1
-    if findings is None:  # the model raised in a plain pass or the engine's: the real pass raises the same error
-        return
+    if findings is None or (findings and all(f.check == _ENGINE_FAILED for f in findings)):
+        return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
     if findings:
         raise StructureError(_message(engine, findings, B, sig, random_ops))
     engine._probe_seen.add(sig)
     stats["signatures"] = len(engine._probe_seen)
     logger.info("structure probe passed (batch %d, %d probe samples, %.3fs)", B, len(_probe_indices(B)),
                 time.perf_counter() - t0)
+
+
+def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool:
+    """Broadcast outputs were expanded and the probe failed (e.g. ``wpe(position_ids)[0]``, or the expansion broke
+    the model): stop expanding them by making an ancestor the generic owner of their parameters (the ancestor's
+    per-sample replay differentiates only those; the forward is untouched), nearest first, and probe again. Returns
+    whether some ancestor passed; otherwise the owners are restored."""
+    if engine._pending or any(m is model for _, m, _, _ in engine._hooked):
+        return False  # pending records of the old owners / the root's pre-hooks already ran for this call
+    name_of = {id(m): n for n, m in model.named_modules()}
+    culprits = sorted({name_of[id(m)] for m in engine._probe_broadcast if id(m) in name_of})
+    trainable = {id(p) for p in engine._trainable.values()}
+    owned = {c: [n for n, p in model.get_submodule(c).named_parameters() if id(p) in trainable] for c in culprits}
+    culprits = [c for c in culprits if owned[c] and c]
+    saved = dict(engine._extra_owned)
+    level = {c: c for c in culprits}  # the candidate owner of each culprit's parameters, moved up one level a try
+    while culprits and any(level[c] for c in culprits):
+        extra: dict[str, list[str]] = {k: list(v) for k, v in saved.items()}
+        for c in culprits:
+            level[c] = level[c].rpartition(".")[0] if level[c] else ""
+            anc = level[c]
+            prefix = c[len(anc) + 1:] if anc else c
+            extra.setdefault(anc, []).extend(f"{prefix}.{n}" for n in owned[c])
+        engine._extra_owned = {k: tuple(dict.fromkeys(v)) for k, v in extra.items()}
+        engine._rebuild_owners()
+        engine._probe_broadcast = []
+        with DeterministicDropout():
+            findings = _run(engine, model, args, kwargs, B)
+        if findings == []:
+            logger.warning("structure probe: broadcast outputs of %s were not per-sample safe to expand; their "
+                           "parameters are now replayed per sample by %s (exact, slower)", culprits,
+                           sorted({level[c] or "<root>" for c in culprits}))
+            if "" in engine._extra_owned:  # the root became an owner: its pre-hooks must run for this call too
+                for fn, with_kwargs in engine._root_hook_fns:
+                    fn(model, args, kwargs) if with_kwargs else fn(model, args)
+            return True
+    engine._extra_owned = saved
+    engine._rebuild_owners()
+    return False
 
 
 def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -280,9 +326,9 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     try:
         rows, total = _engine_pass(engine, model, args, kwargs, B, idx, cots, params, indices, plain, findings)
     except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the engine's own refusal)
-        logger.info("structure probe: the engine's pass failed (%s: %s); the real pass will raise it",
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-        return None
+        logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "")
+        return [Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")]
     if findings:
         return findings
     # c. references

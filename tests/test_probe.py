@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_oracle import D, build_hf, check_engine, lm_batches, lm_loss
-from oracle import make_engine, oracle_release, released_grads, run_engine_once, trainable_names
+from oracle import ABADI_EPS, make_engine, oracle_release, released_grads, run_engine_once, trainable_names
 from torch import nn
 
 from fastdp import StructureError
@@ -43,7 +43,7 @@ def true_release(model, losses, B):
         g = torch.autograd.grad(losses(model)[i], [params[n] for n in names], allow_unused=True)
         g = [torch.zeros_like(params[n]) if t is None else t for n, t in zip(names, g, strict=True)]
         norm = torch.sqrt(sum(t.pow(2).sum() for t in g))
-        c = min(1.0, R / float(norm))
+        c = min(1.0, R / (float(norm) + ABADI_EPS))
         for n, t in zip(names, g, strict=True):
             out[n] += c * t / B
     return out
@@ -191,10 +191,31 @@ def test_output_scaling_hook_refused(B):
     refused_and_wrong(make, x, y, lambda m: true_release(m, lambda mm: mse(mm(x), y), B))
 
 
-def test_broadcast_indexed_with_zero_refused():
+def test_broadcast_indexed_with_zero_exact_via_fallback():
+    """``wpe(position_ids)[0]``: expanding the broadcast output would charge the batch to sample 0; the probe moves
+    wpe's parameters to the nearest ancestor on the generic path (replayed per sample) and the step is exact."""
     x, y = _data(4, 6, 5)
-    refused_and_wrong(lambda: (torch.manual_seed(5), PosIndexed().to(D))[1], x, y,
-                      lambda m: true_release(m, lambda mm: mse(mm(x), y), 4))
+    torch.manual_seed(5)
+    model = PosIndexed().to(D)
+    want = true_release(model, lambda mm: mse(mm(x), y), 4)
+    torch.manual_seed(5)
+    model = PosIndexed().to(D)
+    eng = make_engine(model, batch_size=4, R=R)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    eng.attach(opt)
+    mse(model(x), y).mean().backward()
+    opt.step()
+    got = released_grads(model, trainable_names(model))
+    assert close(got, want)
+    assert eng._extra_owned == {"": ("wpe.weight",)} and eng.generic_stats == {"<root>": {"expanded": 0, "replayed": 1}}
+    x2, y2 = _data(3, 6, 5, seed=1)  # later steps keep the exact path
+    mse(model(x2), y2).mean().backward()
+    opt.step()
+    assert eng.probe_stats["signatures"] == 1
+    # without the probe: silently wrong
+    torch.manual_seed(5)
+    model = PosIndexed().to(D)
+    assert differs(engine_release(model, x, y, verify=False), want)
 
 
 def test_arange_position_table_same_outcome_whatever_the_sizes():
