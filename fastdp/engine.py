@@ -224,6 +224,7 @@ class PrivacyEngine:
         self._probe_reference = False  # its plain / batch-of-one passes: engine hooks inert
         self._probe_seen: set[Any] = set()  # input signatures verified
         self._probe_broadcast: list[nn.Module] = []  # modules whose broadcast output the probe's pass expanded
+        self._probe_outside: list[nn.Module] = []  # modules whose parameters the probe's pass saw used outside them
         #: module name -> parameter paths it owns on the generic path (the probe's fallback for broadcast outputs)
         self._extra_owned: dict[str, tuple[str, ...]] = {}
         #: structure probe cost: {"probes": runs, "signatures": verified signatures, "seconds": time, "eval_retries"}
@@ -510,6 +511,9 @@ class PrivacyEngine:
 
     def _outside_use(self, name: str, grad: torch.Tensor) -> None:
         if self._probe_reference:  # the structure probe's reference passes differentiate the parameters
+            return
+        if self._probing:  # the probe's engine pass: a suspect for its fallback (fastdp.probe); it restores .grad
+            self._probe_outside.append(self.model.get_submodule(name.rpartition(".")[0]))
             return
         raise RuntimeError(
             f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "

@@ -225,7 +225,8 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     findings: list[Finding] | None = None
     random_ops: set[str] = set()
     engine._probing = True
-    engine._probe_broadcast = []
+    engine._probe_broadcast, engine._probe_outside = [], []
+    broadcast = engine_failed = False
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
             with DeterministicDropout() as det:
@@ -236,20 +237,23 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                                "probe in eval mode", sorted(random_ops))
                 stats["eval_retries"] += 1
                 model.eval()
-                engine._probe_broadcast = []
+                engine._probe_broadcast, engine._probe_outside = [], []
                 with DeterministicDropout():
                     findings = _run(engine, model, args, kwargs, B)
-            if findings and engine._probe_broadcast:
+            broadcast = bool(engine._probe_broadcast)
+            engine_failed = bool(engine._probe_outside)  # the real pass raises the outside use itself
+            if findings and broadcast:
                 if _fallback(engine, model, args, kwargs, B):
                     findings = []
     finally:
         engine._probing = False
-        engine._probe_broadcast = []
+        engine._probe_broadcast, engine._probe_outside = [], []
         for m, flag in training:
             m.training = flag
         stats["seconds"] += time.perf_counter() - t0
     stats["probes"] += 1
-    if findings is None or (findings and all(f.check == _ENGINE_FAILED for f in findings)):
+    if findings is None or (findings and not broadcast and (
+            engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
         return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
     if findings:
         raise StructureError(_message(engine, findings, B, sig, random_ops))
@@ -267,28 +271,38 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
     if engine._pending or any(m is model for _, m, _, _ in engine._hooked):
         return False  # pending records of the old owners / the root's pre-hooks already ran for this call
     name_of = {id(m): n for n, m in model.named_modules()}
-    culprits = sorted({name_of[id(m)] for m in engine._probe_broadcast if id(m) in name_of})
     trainable = {id(p) for p in engine._trainable.values()}
-    owned = {c: [n for n, p in model.get_submodule(c).named_parameters() if id(p) in trainable] for c in culprits}
-    culprits = [c for c in culprits if owned[c] and c]
     saved = dict(engine._extra_owned)
-    level = {c: c for c in culprits}  # the candidate owner of each culprit's parameters, moved up one level a try
-    while culprits and any(level[c] for c in culprits):
+    level: dict[str, str] = {}  # suspect module -> the candidate owner of its parameters, moved up one level a try
+    owned: dict[str, list[str]] = {}
+
+    def add_suspects() -> None:
+        for m in (*engine._probe_broadcast, *engine._probe_outside):
+            c = name_of.get(id(m))
+            if c and c not in level:
+                owned[c] = [n for n, p in m.named_parameters() if id(p) in trainable]
+                if owned[c]:
+                    level[c] = c
+
+    add_suspects()
+    while level and any(level.values()):
         extra: dict[str, list[str]] = {k: list(v) for k, v in saved.items()}
-        for c in culprits:
+        for c in level:
             level[c] = level[c].rpartition(".")[0] if level[c] else ""
             anc = level[c]
             prefix = c[len(anc) + 1:] if anc else c
             extra.setdefault(anc, []).extend(f"{prefix}.{n}" for n in owned[c])
         engine._extra_owned = {k: tuple(dict.fromkeys(v)) for k, v in extra.items()}
         engine._rebuild_owners()
-        engine._probe_broadcast = []
+        engine._probe_broadcast, engine._probe_outside = [], []
         with DeterministicDropout():
             findings = _run(engine, model, args, kwargs, B)
+        add_suspects()
         if findings == []:
-            logger.warning("structure probe: broadcast outputs of %s were not per-sample safe to expand; their "
-                           "parameters are now replayed per sample by %s (exact, slower)", culprits,
-                           sorted({level[c] or "<root>" for c in culprits}))
+            culprits = sorted(level)
+            logger.warning("structure probe: outputs of %s could not be attributed to samples as they are (broadcast "
+                           "or without batch dimension); their parameters are now replayed per sample by %s (exact, "
+                           "slower)", culprits, sorted({level[c] or "<root>" for c in culprits}))
             if "" in engine._extra_owned:  # the root became an owner: its pre-hooks must run for this call too
                 for fn, with_kwargs in engine._root_hook_fns:
                     fn(model, args, kwargs) if with_kwargs else fn(model, args)
@@ -410,7 +424,7 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
                                         "the engine's hooks change the model's output"))
         if findings:
             return {}, []
-        keep = [t for t in (*engine._anchors.values(),
+        keep = [t for t in (*engine._anchors.values(), *params,
                             *(x for x in tree_flatten((args, kwargs))[0]
                               if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf))]
         saved_grads = [(t, None if t.grad is None else t.grad.clone()) for t in keep]
