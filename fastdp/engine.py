@@ -384,12 +384,12 @@ class PrivacyEngine:
                     exp = None
                 pre.append(partial(self._generic_pre, expand=exp))
                 hooks.append(module.register_forward_pre_hook(pre[1], with_kwargs=True))
-            if module is root:
-                self._root_hook_fns.extend((fn, k == 1) for k, fn in enumerate(pre))
                 hook = partial(self._generic_hook, names=names, label=mname or "<root>")
             else:
                 needs_act = capture_all or kind.needs_activation(module, names)
                 hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
+            if module is root:
+                self._root_hook_fns.extend((fn, k == 1) for k, fn in enumerate(pre))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
         for name, p in self._trainable.items():
             # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.

@@ -344,3 +344,66 @@ def test_once_per_signature():
     with torch.no_grad():
         m(x)  # no grad: never probed
     assert eng.probe_stats["probes"] == 2
+
+
+class NoisyInTraining(TwoLayer):
+    """Gaussian noise on the hidden layer in train mode (not dropout): the probe retries in eval mode."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.training:
+            h = h + 0.1 * torch.randn_like(h)
+        return self.b(h)
+
+
+def test_other_randomness_retried_in_eval_mode():
+    torch.manual_seed(11)
+    m = NoisyInTraining().to(D).train()
+    eng = make_engine(m, batch_size=4, R=R)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    eng.attach(opt)
+    x, y = _data(4, 5, out=(4, 3))
+    mse(m(x), y).mean().backward()
+    opt.step()
+    assert eng.probe_stats["eval_retries"] == 1 and eng.probe_stats["signatures"] == 1
+    assert m.training and m.a.training  # flags restored
+
+
+def test_deberta_v2_relative_attention_exact_via_fallback():
+    """The broadcast expansion broke DeBERTa-v2's relative attention inside the library; the probe's fallback makes
+    an ancestor the generic owner of the relative-position parameters and the step matches the oracle."""
+    import transformers
+    from model_oracle import ClsWrap, cls_batches, cls_loss, quiet_transformers
+
+    quiet_transformers()
+    torch.manual_seed(0)
+    cfg = transformers.DebertaV2Config(
+        vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, relative_attention=True, position_buckets=4, max_relative_positions=8,
+        pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5,
+        type_vocab_size=0)
+    model = ClsWrap(transformers.DebertaV2ForSequenceClassification(cfg)).to(D).train()
+    engine = check_engine(model, cls_loss, cls_batches([4], 0, pad_id=0), mode="BK-MixOpt")[0]
+    assert any("pos_key_proj" in p for v in engine._extra_owned.values() for p in v)
+
+
+def test_peft_prompt_tuning_exact_via_fallback():
+    pytest.importorskip("peft")
+    from model_oracle import gpt2
+    from peft import PromptTuningConfig, get_peft_model
+
+    torch.manual_seed(0)
+    pm = get_peft_model(gpt2(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = pm
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).logits[:, 3:]
+
+    model = Wrap().to(D).train()
+    engine = check_engine(model, lm_loss, lm_batches([4], 0), mode="BK-MixOpt")[0]
+    owned = {f"{k}.{p}" if k else p for k, v in engine._extra_owned.items() for p in v}
+    assert owned == {"m.prompt_encoder.default.embedding.weight"}
