@@ -402,7 +402,11 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 
 
 def _rtol(dtype: torch.dtype) -> float:
-    return _PROBE_RTOL.get(dtype, 5e-3)
+    """The tolerance of ``dtype``, or of the autocast dtype when autocast is on (the forward then rounds to it)."""
+    tol = _PROBE_RTOL.get(dtype, 5e-3)
+    for _, ac in autocast_state():
+        tol = max(tol, _PROBE_RTOL.get(ac, 1e-1))
+    return tol
 
 
 def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,
