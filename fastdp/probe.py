@@ -446,23 +446,47 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         engine._expand_off.clear()
         engine._expand_off.update(saved_off)
     group_of = {p: 0 for p in params}
-
-    def sums(coef_fn: Any) -> list[torch.Tensor | None]:
-        cfg = ClipConfig(mode=engine.clipping_mode, clip_fn=coef_fn, thresholds=[1.0], group_of=group_of,
-                         mean_reduction=False, on_nonfinite="raise")
-        res = _clipped_sums(records, engine._param_of, cfg).sums if records else {}
-        return [res.get(p) for p in params]
-
     engine._in_bookkeeping = True
     try:
-        rows = {i: sums(lambda n, R, i=i: (torch.arange(n.shape[0], device=n.device) == i).to(n.dtype))
-                for i in indices}
-        total = sums(lambda n, R: torch.ones_like(n))
+        rows = _rows(records, engine._param_of, params, indices)
+        cfg = ClipConfig(mode=engine.clipping_mode, clip_fn=lambda n, R: torch.ones_like(n), thresholds=[1.0],
+                         group_of=group_of, mean_reduction=False, on_nonfinite="raise")
+        res = _clipped_sums(records, engine._param_of, cfg).sums if records else {}
+        total = [res.get(p) for p in params]
     finally:
         engine._in_bookkeeping = False
         for r in records:
             r.ctx = None
     return rows, total
+
+
+def _rows(records: list[Any], param_of: dict[tuple[int, str], nn.Parameter], params: list[nn.Parameter],
+          indices: list[int]) -> dict[int, list[torch.Tensor | None]]:
+    """The engine's per-sample gradients of samples ``indices`` from the records (summed over a parameter's uses):
+    kept per-sample gradients (instantiated on arrival) are indexed; a layer kind's call is instantiated on those
+    rows only (its kept input and output gradient sliced); a generic owner's replay runs in full and is kept in
+    ``rec.ctx`` for the clipped sum that follows."""
+    acc: dict[nn.Parameter, torch.Tensor] = {}
+    for rec in records:
+        idx = None
+        if rec.psg is not None:
+            got = {n: g for n, g in rec.psg.items()}
+        elif not rec.kind.replayable:
+            rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+            got = {n: rec.kind.per_sample_grad(rec.module, rec.ctx, n) for n in rec.names}
+        else:
+            idx = torch.tensor(indices, device=rec.grad_output.device)
+            act = rec.activation
+            if isinstance(act, torch.Tensor) and act.dim() >= 1 and act.shape[0] == rec.grad_output.shape[0]:
+                act = act.index_select(0, idx.to(act.device))
+            grad = rec.grad_output.index_select(0, idx)
+            ctx = rec.kind.prepare(rec.module, act, grad)
+            got = {n: rec.kind.per_sample_grad(rec.module, ctx, n) for n in rec.names}
+        for n, g in got.items():
+            g = g if idx is not None else g[indices]
+            p = param_of[(id(rec.module), n)]
+            acc[p] = acc[p] + g if p in acc else g
+    return {i: [acc[p][k] if p in acc else None for p in params] for k, i in enumerate(indices)}
 
 
 def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str]) -> str:
