@@ -313,44 +313,25 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
 
 
 def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-         B: int) -> list[Finding] | None:
+         B: int) -> list[Finding]:
     names = list(engine._trainable)
     params = [engine._trainable[n] for n in names]
-    gen = torch.Generator().manual_seed(_SEED)
-    # a. plain pass
-    try:
-        with _Inert(engine):
-            out = model(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the user's forward will raise it again
-        logger.info("structure probe skipped: the model raised in a plain pass (%s)", e)
-        return None
-    leaves, idx = _batched_outputs(out, B)
-    if not idx:
-        logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
-        return []
-    plain = [leaves[j].detach() for j in idx]
-    cots = [torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=y.device, dtype=y.dtype)
-            for y in plain]
-    with _Inert(engine):
-        G = _grads(_dot(cots, [leaves[j] for j in idx]), params)
-    del out, leaves
-    findings: list[Finding] = []
-    # b. engine pass
     indices = _probe_indices(B)
+    # a. engine pass
     try:
-        rows, total = _engine_pass(engine, model, args, kwargs, B, idx, cots, params, indices, plain, findings)
-    except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the engine's own refusal)
+        res = _engine_pass(engine, model, args, kwargs, B, params, indices)
+    except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the user's or the engine's)
         logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
                     str(e).splitlines()[0][:200] if str(e) else "")
         return [Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")]
-    if findings:
-        return findings
-    # c. references
+    if res is None:
+        logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
+        return []
+    batch_out, idx, cots, rows, total, weights = res
+    findings: list[Finding] = []
+    # b. references
     refs: dict[int, list[torch.Tensor | None]] = {}
     for i in indices:
-        if B == 1:
-            refs[i] = G
-            continue
         a_i, k_i = _slice(args, kwargs, B, i)
         try:
             with _Inert(engine):
@@ -358,14 +339,14 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                 leaves_i = tree_flatten(out_i)[0]
                 ys = [leaves_i[j] if j < len(leaves_i) else None for j in idx]
                 shapes_ok = all(isinstance(y, torch.Tensor) and y.requires_grad and tuple(y.shape) == (1, *p.shape[1:])
-                                for y, p in zip(ys, plain, strict=True))
+                                for y, p in zip(ys, batch_out, strict=True))
                 if not shapes_ok:
                     got = [tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__ for y in ys]
                     findings.append(Finding("batch of one", "", math.inf, i,
                                             f"outputs {got} on a batch of one, expected leading size 1 and the "
-                                            f"batch's other sizes {[tuple(p.shape) for p in plain]}"))
+                                            f"batch's other sizes {[tuple(p.shape) for p in batch_out]}"))
                     continue
-                for j, y, p in zip(idx, ys, plain, strict=True):
+                for j, y, p in zip(idx, ys, batch_out, strict=True):
                     err = _out_err(y, p[i:i + 1])
                     if err > _rtol(p.dtype):
                         findings.append(Finding("output", f"leaf {j}", err, i, "sample alone != its row in the batch"))
@@ -375,12 +356,12 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                                     f"the model fails on a batch of one sample: {type(e).__name__}: {e}"))
     if findings and all(f.check == "batch of one" for f in findings):
         return findings
-    # d. compare; a parameter whose gradients are mathematically ~0 (a key bias under softmax) is compared with an
+    # c. compare; a parameter whose gradients are mathematically ~0 (a key bias under softmax) is compared with an
     # absolute floor of _FLOOR times the largest per-sample gradient norm of any parameter
     norms = [float(t.detach().double().norm()) for r in (*rows.values(), *refs.values()) for t in r
              if t is not None]
     floor = _FLOOR * max(norms or [0.0])
-    for n, p, g_sum, k in zip(names, params, G, range(len(names)), strict=True):
+    for k, (n, p) in enumerate(zip(names, params, strict=True)):
         zero = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
 
         def val(t: torch.Tensor | None, zero: torch.Tensor = zero) -> torch.Tensor:
@@ -394,10 +375,11 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             err = _rel(eng[i], ref[i], scale)
             if err > rtol:
                 findings.append(Finding("per-sample gradient", repr(n), err, i))
-        s_ref, s_eng = val(g_sum), val(total[k])
-        err = _rel(s_eng, s_ref, max(float(s_ref.norm()), float(s_eng.norm()), scale, floor * B))
-        if err > rtol:
-            findings.append(Finding("sum of per-sample gradients", repr(n), err))
+        if len(ref) == len(indices):  # the clipping mode's own weighted sum against the references
+            s_ref = sum((weights[i] * ref[i] for i in indices), zero)
+            err = _rel(val(total[k]), s_ref, max(float(s_ref.norm()), scale))
+            if err > rtol:
+                findings.append(Finding(f"weighted sum ({engine.clipping_mode})", repr(n), err))
     return findings
 
 
@@ -410,31 +392,29 @@ def _rtol(dtype: torch.dtype) -> float:
 
 
 def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,
-                 idx: list[int], cots: list[torch.Tensor], params: list[nn.Parameter], indices: list[int],
-                 plain: list[torch.Tensor], findings: list[Finding]) -> tuple[dict[int, list], list]:
-    """The model with the engine's hooks capturing into a separate session; per-sample rows for ``indices`` and the
-    sum over all samples, by the step's own book-keeping."""
+                 params: list[nn.Parameter], indices: list[int]) -> tuple[Any, ...] | None:
+    """The model with the engine's hooks capturing into a separate session; seeded cotangents on its batched
+    outputs; per-sample rows for ``indices`` and, by the engine's clipping mode, the sum weighted by random
+    factors on ``indices`` (zero elsewhere). ``None`` if no output has a batch dimension."""
+    gen = torch.Generator().manual_seed(_SEED)
     saved_pending, saved_stats = engine._pending, {k: dict(v) for k, v in engine.generic_stats.items()}
     saved_off = set(engine._expand_off)
     engine._pending = []
     records = []
     try:
         out = model(*args, **kwargs)
-        leaves = tree_flatten(out)[0]
-        ys = [leaves[j] if j < len(leaves) else None for j in idx]
-        for j, y, p in zip(idx, ys, plain, strict=True):
-            if not isinstance(y, torch.Tensor) or _out_err(y, p) > _rtol(p.dtype):
-                findings.append(Finding("output", f"leaf {j}", math.inf, None,
-                                        "the engine's hooks change the model's output"))
-        if findings:
-            return {}, []
+        leaves, idx = _batched_outputs(out, B)
+        if not idx:
+            return None
+        ys = [leaves[j] for j in idx]
+        cots = [torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=y.device, dtype=y.dtype)
+                for y in ys]
         keep = [t for t in (*engine._anchors.values(), *params,
                             *(x for x in tree_flatten((args, kwargs))[0]
                               if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf))]
         saved_grads = [(t, None if t.grad is None else t.grad.clone()) for t in keep]
         try:
-            torch.autograd.backward([y for y in ys if y.requires_grad],
-                                    [c for c, y in zip(cots, ys, strict=True) if y.requires_grad])
+            torch.autograd.backward(ys, cots)
         finally:
             for t, g in saved_grads:
                 t.grad = g
@@ -445,19 +425,22 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         engine.generic_stats.update(saved_stats)
         engine._expand_off.clear()
         engine._expand_off.update(saved_off)
-    group_of = {p: 0 for p in params}
+    w = torch.zeros(B, dtype=torch.float64)
+    w[indices] = torch.rand(len(indices), generator=gen, dtype=torch.float64) + 0.5
+    weights = {i: float(w[i]) for i in indices}
     engine._in_bookkeeping = True
     try:
         rows = _rows(records, engine._param_of, params, indices)
-        cfg = ClipConfig(mode=engine.clipping_mode, clip_fn=lambda n, R: torch.ones_like(n), thresholds=[1.0],
-                         group_of=group_of, mean_reduction=False, on_nonfinite="raise")
+        cfg = ClipConfig(mode=engine.clipping_mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
+                         thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
+                         on_nonfinite="raise")
         res = _clipped_sums(records, engine._param_of, cfg).sums if records else {}
         total = [res.get(p) for p in params]
     finally:
         engine._in_bookkeeping = False
         for r in records:
             r.ctx = None
-    return rows, total
+    return [y.detach() for y in ys], idx, cots, rows, total, weights
 
 
 def _rows(records: list[Any], param_of: dict[tuple[int, str], nn.Parameter], params: list[nn.Parameter],
