@@ -31,10 +31,12 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("fastdp.engine"), name)
     if name == "engines_on":
         return importlib.import_module("fastdp.engine_registry").engines_on
+    if name == "StructureError":
+        return importlib.import_module("fastdp.probe").StructureError
     if name in _SUBMODULES:
         return importlib.import_module(f"fastdp.{name}")
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "engines_on", "accounting", "data",
-           "losses", "validate", "__version__"]
+__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "StructureError", "engines_on",
+           "accounting", "data", "losses", "validate", "__version__"]

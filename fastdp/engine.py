@@ -35,7 +35,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastdp import accounting, engine_registry, hf_guard, session
+from fastdp import accounting, engine_registry, hf_guard, probe, session
 from fastdp.bookkeeping import (
     CLIPPING_MODES,
     ClipConfig,
@@ -49,6 +49,7 @@ from fastdp.layers import batchdim, checkpointing, expand, generic, kind_for
 from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
+from fastdp.probe import StructureError
 from fastdp.sampling_check import SampleRateMonitor
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,12 @@ class PrivacyEngine:
             :class:`PrivacyBudgetExceeded` before anything is released.
         on_nonfinite: ``"raise"`` (default): a sample whose gradient has NaN/inf stops the step with an error;
             ``"zero"``: such samples get clipping factor 0 (still private), counted in ``nonfinite_samples``.
+        verify_structure: run the structure probe (:mod:`fastdp.probe`) once per new input signature of the model's
+            forward: the engine's per-sample gradients of a few samples are compared with a batch-of-one
+            computation, and a mismatch raises :class:`fastdp.probe.StructureError`. Turning it off gives up that
+            check: a model whose batch axis is not first (per-position clipping), that mixes or reorders samples,
+            or whose hooks rescale a layer's output then trains silently without the stated privacy guarantee.
+            Its cost is in ``probe_stats``.
     """
 
     def __init__(
@@ -151,6 +158,7 @@ class PrivacyEngine:
         secure_mode: bool = False,
         enforce_budget: bool = False,
         on_nonfinite: str = "raise",
+        verify_structure: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -226,6 +234,16 @@ class PrivacyEngine:
         self._backward_seen = False  # a backward pass reached the hooks since the last step
         self._budget_verified = self._planned_steps or 0  # steps known to stay within target_epsilon
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
+        self.verify_structure = bool(verify_structure)
+        self._probing = False  # the structure probe's passes are running (fastdp.probe)
+        self._probe_reference = False  # its plain / batch-of-one passes: engine hooks inert
+        self._probe_seen: set[Any] = set()  # input signatures verified
+        self._probe_broadcast: list[nn.Module] = []  # modules whose broadcast output the probe's pass expanded
+        self._probe_outside: list[nn.Module] = []  # modules whose parameters the probe's pass saw used outside them
+        #: module name -> parameter paths it owns on the generic path (the probe's fallback for broadcast outputs)
+        self._extra_owned: dict[str, tuple[str, ...]] = {}
+        #: structure probe cost: {"probes": runs, "signatures": verified signatures, "seconds": time, "eval_retries"}
+        self.probe_stats: dict[str, Any] = {"probes": 0, "signatures": 0, "seconds": 0.0, "eval_retries": 0}
         self.optimizer: torch.optim.Optimizer | None = None
         # steps released with noise_multiplier=0: not in the accountant (epsilon is infinite once there is one);
         # invariant: steps == accountant.steps + noiseless_steps
@@ -322,6 +340,9 @@ class PrivacyEngine:
                     "parameters.")
             entries: list[tuple[LayerKind, list[tuple[str, nn.Parameter]]]] = []
             sub = generic.subtree_owner(module)
+            extra = getattr(self, "_extra_owned", {}).get(mname, ())  # the structure probe's fallback owners
+            if extra:
+                sub = (*(sub or ()), *extra)
             if sub:
                 owned_sub = [(rel, module.get_parameter(rel)) for rel in sub]
                 owned_sub = [(rel, p) for rel, p in owned_sub if id(p) in trainable_ids and id(p) not in in_subtree]
@@ -403,21 +424,25 @@ class PrivacyEngine:
         hooks = self._model_handles = []
         root = self.model
         capture_all = self.clipping_mode == "ghost"
+        self._root_hook_fns: list[Any] = []  # the root's own pre-hooks (the probe's fallback runs them once)
         for mname, module, kind, names in self._hooked:
             params = [self._param_of[(id(module), n)] for n in sorted(names)]
             # prepended: they run before the module's own pre-hooks (legacy weight_norm and prune compute the
             # weight from the trainable originals there), detach first, then the generic owner's pre-hook
+            pre = [partial(self._detach_params, params=params)]
             if kind is generic.GENERIC:
                 exp = {n: self._param_of[(id(module), n)] for n in sorted(names)}
                 if not all("." not in n and expand.expandable(p) for n, p in exp.items()):
                     exp = None
-                hooks.append(module.register_forward_pre_hook(partial(self._generic_pre, expand=exp),
-                                                              with_kwargs=True, prepend=True))
+                pre.append(partial(self._generic_pre, expand=exp))
+                hooks.append(module.register_forward_pre_hook(pre[1], with_kwargs=True, prepend=True))
                 hook = partial(self._generic_hook, names=names, label=mname or "<root>")
             else:
                 needs_act = capture_all or kind.needs_activation(module, names)
                 hook = partial(self._forward_hook, kind=kind, names=names, needs_act=needs_act)
-            hooks.append(module.register_forward_pre_hook(partial(self._detach_params, params=params), prepend=True))
+            hooks.append(module.register_forward_pre_hook(pre[0], prepend=True))
+            if module is root:
+                self._root_hook_fns.extend((fn, k == 1) for k, fn in enumerate(pre))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
         # prepended after the modules' pre-hooks, so it runs first of all: the call's batch size and forward id
         hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True))
@@ -439,6 +464,13 @@ class PrivacyEngine:
             if h in self._handles:
                 self._handles.remove(h)
         self._model_handles = []
+
+    def _rebuild_owners(self) -> None:
+        """Re-discover owners and re-install the model hooks (the structure probe's fallback changed owners)."""
+        self._remove_model_hooks()
+        self._discover(self.model)
+        self._configure_groups()
+        self._install_hooks()
 
     def update_trainable(self) -> None:
         """Re-read which parameters train (``requires_grad``) after freezing or unfreezing some between steps.
@@ -548,6 +580,11 @@ class PrivacyEngine:
                 call.end(None)
 
     def _outside_use(self, name: str, grad: torch.Tensor) -> None:
+        if self._probe_reference:  # the structure probe's reference passes differentiate the parameters
+            return
+        if self._probing:  # the probe's engine pass: a suspect for its fallback (fastdp.probe); it restores .grad
+            self._probe_outside.append(self.model.get_submodule(name.rpartition(".")[0]))
+            return
         raise RuntimeError(
             f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "
             "(e.g. a weight read directly by another module, as in weight tying through F.linear). fastdp cannot "
@@ -557,7 +594,8 @@ class PrivacyEngine:
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The batch size of this forward call of the model: the leading size its tensor inputs agree on
         (:func:`fastdp.layers.batchdim.infer_batch_size`). An outermost call first discards what a failed forward
-        or backward pass left behind."""
+        or backward pass left behind; a new input signature is verified by the structure probe
+        (:mod:`fastdp.probe`) before the call runs."""
         if not self._forward_ids:
             self._recover()
         self._grad_at_root.append(torch.is_grad_enabled())
@@ -568,6 +606,13 @@ class PrivacyEngine:
         except batchdim.AmbiguousBatchError:
             self._forward_batch.append(None)  # popped by _root_post, which runs also when this pre-hook raises
             raise
+        if (self.verify_structure and B is not None and B >= 1 and not self._probing and not self._in_bookkeeping
+                and torch.is_grad_enabled() and len(self._forward_ids) == 1 and not self._paused):
+            try:
+                probe.maybe_probe(self, module, args, kwargs, B)
+            except BaseException:
+                self._forward_batch.append(B)  # popped by _root_post
+                raise
         self._forward_batch.append(B)
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -612,6 +657,8 @@ class PrivacyEngine:
         out = output
         broadcast = B is not None and generic.is_broadcast(out, B)
         if broadcast:
+            if self._probing:
+                self._probe_broadcast.append(module)
             # One output for the whole batch (input with batch dimension 1, e.g. HF position ids (1, T)): expand
             # it, so the gradient arrives per sample instead of summed over the batch.
             out = out.expand(B, *out.shape[1:])
@@ -672,6 +719,8 @@ class PrivacyEngine:
                 new_leaves[j] = leaf.expand(B, *leaf.shape[1:])
                 hooked.append(j)
                 out_dims.append(0)
+                if self._probing:
+                    self._probe_broadcast.append(module)
             else:
                 # no batch dimension: a gradient reaching it cannot be attributed (it requires grad through the anchor
                 # also when nothing upstream does, e.g. an RNN's state with batch_first=False in the first layer)
@@ -749,7 +798,8 @@ class PrivacyEngine:
             "the owner's trainable parameters cannot be attributed to samples.")
 
     def _on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:
-        if not self._callback_queued:  # first, so that a failure below is discarded with the rest of the pass
+        if not self._callback_queued and not self._probing:  # first, so that a failure below is discarded with the
+            # rest of the pass (the structure probe runs its own book-keeping)
             self._callback_queued = True
             self._passes += 1
             session.queue_end_of_backward(self._on_backward_end, partial(self._on_backward_dropped, self._passes))
@@ -1203,4 +1253,4 @@ def _start_expansion(module: nn.Module, params: dict[str, nn.Parameter], batch: 
     return call
 
 
-__all__ = ["NonFiniteGradientError", "PrivacyBudgetExceeded", "PrivacyEngine", "default_delta"]
+__all__ = ["NonFiniteGradientError", "PrivacyBudgetExceeded", "PrivacyEngine", "StructureError", "default_delta"]

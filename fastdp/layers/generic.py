@@ -103,10 +103,10 @@ def _rnn_state_dims(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def is_broadcast(t: torch.Tensor, batch: int) -> bool:
-    """Whether ``t`` is one value for the whole batch: leading size 1 (batch > 1) and a second dimension that is not
-    the batch's size (``(1, B, H)``, an LSTM's final state, has its batch dimension second and is not expanded; a
-    broadcast ``(1, T, d)`` whose ``d`` equals the batch size is)."""
-    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1 and (t.dim() == 1 or t.shape[1] != batch)
+    """Whether ``t`` is taken as one value for the whole batch: leading size 1 and ``batch > 1``, whatever its other
+    sizes (sizes never decide: a coincidence such as ``T == B`` is a new input signature, which the structure probe,
+    :mod:`fastdp.probe`, verifies; an RNN's ``(layers, B, H)`` state is excluded by the engine's generic hook)."""
+    return batch > 1 and t.dim() >= 1 and t.shape[0] == 1
 
 
 @dataclass(eq=False)

@@ -1,0 +1,508 @@
+"""Structure probe: verify, once per input signature, that the engine's per-sample gradients are the model's.
+
+The engine *assumes* the per-sample structure of a model: a tensor is batched iff its leading size is the batch size
+``B`` (the leading size of the model's first tensor input), and a layer output of leading size 1 is one value shared
+by the batch (it is expanded to ``(B, ...)``). Where the assumption is false (a sequence-first model, a model that
+splits or reorders its batch, a forward hook that rescales a layer's output, a broadcast output indexed with
+``[0]``, a position table read with ``arange(T)`` when ``T == B``) the per-sample gradients would be silently wrong.
+The probe checks the assumption against a brute-force computation instead of trusting it.
+
+**When.** From the model's root forward pre-hook, before the user's forward runs, when grad is enabled, ``B >= 1``
+and the call's :func:`signature` is new. The signature holds, per tensor leaf of ``(args, kwargs)``: its position,
+ndim, dtype, whether its leading size is ``B``, which other dimensions equal ``B``, which dimensions are 1; plus
+grad mode, autocast state and the model's training flag -- not the exact sizes, so Poisson batch sizes and padded
+lengths do not re-probe, but a new coincidence (``T == B``) is a new signature and is probed then.
+
+**What.** With every random generator forked (nothing the user sees changes: no RNG draw, no pending record, no
+accumulated sum, no step, no ``generic_stats``), under a torch-function mode that turns dropout into the identity
+in every pass (:class:`DeterministicDropout`):
+
+a. *engine pass*: the model on the batch with the engine's capture hooks active (records kept apart from the
+   step's: nothing reaches its pending records or sums); seeded random cotangents ``V_j`` (a private generator)
+   for every floating output leaf of leading size ``B``; backward of ``sum_j <V_j, y_j>``; from the records, by
+   instantiation on the probe samples' rows, the engine's per-sample gradients ``g_i`` of the probe samples 0 and
+   ``B - 1``, and, by the step's own code in the engine's clipping mode (:func:`bookkeeping._clipped_sums` with
+   random clipping factors ``w_i`` on the probe samples and 0 elsewhere), the weighted sum ``sum_i w_i g_i``;
+b. *reference*: per probe sample ``i``, the model with every engine hook inert on the batch of one (leaves of
+   leading size ``B`` sliced ``[i:i+1]``, the others as given); its outputs must equal row ``i`` of the batch's
+   outputs, the gradient ``r_i`` of ``sum_j <V_j[i], y_j(x_i)>`` must equal the engine's ``g_i``, and
+   ``sum_i w_i r_i`` must equal the clipping mode's weighted sum (this catches rescaling hooks, parameters
+   released as zero or counted twice, a mode's contraction that disagrees with instantiation, even at ``B = 1``).
+
+A model that fails on a batch of one (``x.chunk(2)`` unpacked into two halves) is refused. A failure of the engine's
+pass (an error the engine raises itself: a weight used outside its module, layers that saw different batch sizes)
+is left to the real pass, which raises it as before.
+
+**Fallback.** When the probe fails and the engine's pass expanded broadcast outputs (leading size 1) or saw a
+parameter used outside its module -- ``wpe(position_ids)[0]``, HF DeBERTa-v2 relative attention, peft prompt
+tuning -- those modules' parameters are given to an ancestor on the exact generic path (its per-sample replay
+differentiates only them; the forward is untouched) and the probe runs again; the ancestor moves up one level per
+try (all suspects together, possibly up to the root: exact, but the replay then re-runs the whole model per sample),
+until the probe passes or the root failed too (then the owners are restored and the failure is reported).
+
+Errors are relative to the largest per-sample gradient norm of the parameter (``_PROBE_RTOL`` per dtype). On a
+mismatch the engine raises :class:`StructureError` naming the worst parameters, the evidence and the fix. If the
+passes disagree and a random operation other than dropout ran, the probe is retried once with the model in eval
+mode (logged); a second failure is refused, naming the random operations.
+
+**What it does NOT catch.**
+
+* A mistake the batch-of-one reference shares: a sequence-first model ``(T, B, d)`` made only of position-wise
+  layers (Linear, LayerNorm) is exactly row-independent along dim 0, so "rows" are positions in both the engine and
+  the reference, and each *position* is clipped (several samples merged). Sequence-first models with attention or a
+  convolution over time mix rows and are caught.
+* Outputs without a batch dimension (a scalar loss returned by the model) get no cotangent: what flows through them
+  is not checked. Return per-sample outputs (logits) and compute the loss outside the model to be verified.
+* Behaviour that changes between calls with the same signature (data-dependent control flow, state kept across
+  calls) is checked only on the probed call's inputs; randomness other than dropout is checked only as far as the
+  eval-mode retry reaches.
+* Samples other than the probe samples (0 and ``B - 1``) are not checked: a structural mistake that spares both
+  (e.g. mixing only samples 1 and 2) passes. (A full-batch plain pass would check the sum over all samples, at about
+  one more step's cost: left out to keep the probe under 2 % of a 100-step run.)
+
+``verify_structure=False`` on the engine turns the probe off (then these failures are silent again).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fastdp.bookkeeping import ClipConfig, _clipped_sums
+from fastdp.layers.base import autocast_state
+
+logger = logging.getLogger(__name__)
+
+#: relative tolerance per parameter dtype: ||g_engine - g_ref|| / max_i ||g_i||  (structural errors are O(1))
+_PROBE_RTOL = {torch.float64: 1e-5, torch.float32: 5e-3, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+_SEED = 0x5EED
+#: parameters are compared relative to at least this fraction of the largest per-sample gradient norm of any parameter
+_FLOOR = 1e-3
+_ENGINE_FAILED = "engine pass"  # the engine's capture or book-keeping raised (left to the real pass)
+
+
+class StructureError(RuntimeError):
+    """The engine's per-sample gradients of this model do not match a batch-of-one computation (see
+    :mod:`fastdp.probe`): training would not be private as stated, so the engine refuses."""
+
+
+# ---------------------------------------------------------------------------------------------- determinism
+_DROPOUTS = {F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+             torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+_SDPA = F.scaled_dot_product_attention
+_RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.normal, torch.multinomial,
+           torch.rand_like, torch.randn_like, torch.randint_like, torch.poisson,
+           torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
+           torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_,
+           torch.Tensor.log_normal_, torch.Tensor.multinomial}
+
+
+class DeterministicDropout(TorchFunctionMode):
+    """Dropout (``F.dropout*``, alpha dropout, ``scaled_dot_product_attention``'s ``dropout_p``) becomes the
+    identity, so the batched and the batch-of-one passes compute the same function; other random operations run
+    as usual and are recorded in ``random_ops``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.random_ops: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            x = args[0] if args else kwargs["input"]
+            return x
+        if func is _SDPA:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs or len(args) <= 4 else kwargs
+        elif func in _RANDOM and kwargs.get("generator") is None:  # (the probe's own draws use a private one)
+            self.random_ops.add(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- signature
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, training: bool) -> tuple[Any, ...]:
+    """What decides the per-sample structure of a forward call, without the exact sizes (see the module docstring).
+    """
+    flat, spec = tree_flatten((tuple(args), dict(kwargs)))
+    leaves = []
+    for k, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            shape = tuple(x.shape)
+            leaves.append((k, x.dim(), x.dtype, x.device.type, bool(shape and shape[0] == batch),
+                           frozenset(d for d, s in enumerate(shape) if d > 0 and s == batch),
+                           frozenset(d for d, s in enumerate(shape) if s == 1), x.requires_grad))
+        elif isinstance(x, (bool, int, float, str, type(None))):
+            leaves.append((k, type(x).__name__, x if isinstance(x, (bool, str, type(None))) else None))
+        else:
+            leaves.append((k, type(x).__name__))
+    return (str(spec), tuple(leaves), torch.is_grad_enabled(), autocast_state(), training, batch == 1)
+
+
+# ---------------------------------------------------------------------------------------------- findings
+@dataclass
+class Finding:
+    """One disagreement: which check, where, how large."""
+
+    check: str  # "per-sample gradient", "sum of per-sample gradients", "output", "engine pass", "batch of one"
+    where: str  # parameter name / output leaf / ""
+    error: float  # relative error (inf: a pass failed)
+    index: int | None = None
+    detail: str = ""
+
+    def line(self) -> str:
+        at = f" of sample {self.index}" if self.index is not None else ""
+        err = "" if math.isinf(self.error) else f": relative error {self.error:.3g}"
+        return f"{self.check}{at} {self.where}{err}{' (' + self.detail + ')' if self.detail else ''}"
+
+
+def _probe_indices(B: int) -> list[int]:
+    return sorted({0, B - 1})
+
+
+def _slice(args: Any, kwargs: Any, B: int, i: int) -> tuple[Any, Any]:
+    def cut(x: Any) -> Any:
+        return x[i:i + 1] if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == B else x
+    return tree_map(cut, (tuple(args), dict(kwargs)))
+
+
+def _batched_outputs(out: Any, B: int) -> tuple[list[Any], list[int]]:
+    leaves = tree_flatten(out)[0]
+    idx = [j for j, y in enumerate(leaves) if isinstance(y, torch.Tensor) and y.is_floating_point() and y.dim() >= 1
+           and y.shape[0] == B and y.requires_grad]
+    return leaves, idx
+
+
+def _dot(cots: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return sum((c.to(y.dtype) * y).sum() for c, y in zip(cots, outs, strict=True))
+
+
+def _grads(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    d = float((a.double() - b.double()).norm())
+    return 0.0 if d == 0 else d / max(scale, 1e-300)
+
+
+def _out_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape:
+        return math.inf
+    scale = float(want.detach().double().abs().max()) if want.numel() else 0.0
+    diff = float((got.detach().double() - want.detach().double()).abs().max()) if want.numel() else 0.0
+    if not math.isfinite(diff):
+        return 0.0 if torch.equal(got.isfinite(), want.isfinite()) else math.inf
+    return 0.0 if diff == 0 else diff / max(scale, 1e-300)
+
+
+class _Inert:
+    """Every engine hook inert (as in book-keeping) for the plain and the reference passes."""
+
+    def __init__(self, engine: Any) -> None:
+        self.e = engine
+
+    def __enter__(self) -> None:
+        self.saved = (self.e._in_bookkeeping, self.e._probe_reference)
+        self.e._in_bookkeeping, self.e._probe_reference = True, True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.e._in_bookkeeping, self.e._probe_reference = self.saved
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> None:
+    """Run the probe if this call's signature is new (see the module docstring); raise :class:`StructureError` on
+    a mismatch. Called by the engine's root forward pre-hook."""
+    sig = signature(args, kwargs, B, model.training)
+    if sig in engine._probe_seen:
+        return
+    t0 = time.perf_counter()
+    flat = tree_flatten((args, kwargs))[0]
+    devices = sorted({x.device for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cuda"},
+                     key=str)
+    training = [(m, m.training) for m in model.modules()]
+    stats = engine.probe_stats
+    findings: list[Finding] | None = None
+    random_ops: set[str] = set()
+    engine._probing = True
+    engine._probe_broadcast, engine._probe_outside = [], []
+    broadcast = engine_failed = False
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
+            with DeterministicDropout() as det:
+                findings = _run(engine, model, args, kwargs, B)
+            random_ops = set(det.random_ops)
+            if findings and random_ops and model.training:
+                logger.warning("structure probe: the passes disagree and random operations ran (%s); retrying the "
+                               "probe in eval mode", sorted(random_ops))
+                stats["eval_retries"] += 1
+                model.eval()
+                engine._probe_broadcast, engine._probe_outside = [], []
+                with DeterministicDropout():
+                    findings = _run(engine, model, args, kwargs, B)
+            broadcast = bool(engine._probe_broadcast)
+            engine_failed = bool(engine._probe_outside)  # the real pass raises the outside use itself
+            if findings and broadcast:
+                if _fallback(engine, model, args, kwargs, B):
+                    findings = []
+    finally:
+        engine._probing = False
+        engine._probe_broadcast, engine._probe_outside = [], []
+        for m, flag in training:
+            m.training = flag
+        stats["seconds"] += time.perf_counter() - t0
+    stats["probes"] += 1
+    if findings is None or (findings and not broadcast and (
+            engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
+        return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
+    if findings:
+        raise StructureError(_message(engine, findings, B, sig, random_ops))
+    engine._probe_seen.add(sig)
+    stats["signatures"] = len(engine._probe_seen)
+    logger.info("structure probe passed (batch %d, %d probe samples, %.3fs)", B, len(_probe_indices(B)),
+                time.perf_counter() - t0)
+
+
+def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool:
+    """Broadcast outputs were expanded and the probe failed (e.g. ``wpe(position_ids)[0]``, or the expansion broke
+    the model): stop expanding them by making an ancestor the generic owner of their parameters (the ancestor's
+    per-sample replay differentiates only those; the forward is untouched), nearest first, and probe again. Returns
+    whether some ancestor passed; otherwise the owners are restored."""
+    if engine._pending or any(m is model for _, m, _, _ in engine._hooked):
+        return False  # pending records of the old owners / the root's pre-hooks already ran for this call
+    name_of = {id(m): n for n, m in model.named_modules()}
+    trainable = {id(p) for p in engine._trainable.values()}
+    saved = dict(engine._extra_owned)
+    level: dict[str, str] = {}  # suspect module -> the candidate owner of its parameters, moved up one level a try
+    owned: dict[str, list[str]] = {}
+
+    def add_suspects() -> None:
+        for m in (*engine._probe_broadcast, *engine._probe_outside):
+            c = name_of.get(id(m))
+            if c and c not in level:
+                owned[c] = [n for n, p in m.named_parameters() if id(p) in trainable]
+                if owned[c]:
+                    level[c] = c
+
+    add_suspects()
+    while level and any(level.values()):
+        extra: dict[str, list[str]] = {k: list(v) for k, v in saved.items()}
+        for c in level:
+            level[c] = level[c].rpartition(".")[0] if level[c] else ""
+            anc = level[c]
+            prefix = c[len(anc) + 1:] if anc else c
+            extra.setdefault(anc, []).extend(f"{prefix}.{n}" for n in owned[c])
+        engine._extra_owned = {k: tuple(dict.fromkeys(v)) for k, v in extra.items()}
+        engine._rebuild_owners()
+        engine._probe_broadcast, engine._probe_outside = [], []
+        with DeterministicDropout():
+            findings = _run(engine, model, args, kwargs, B)
+        add_suspects()
+        if findings == []:
+            culprits = sorted(level)
+            logger.warning("structure probe: outputs of %s could not be attributed to samples as they are (broadcast "
+                           "or without batch dimension); their parameters are now replayed per sample by %s (exact, "
+                           "slower)", culprits, sorted({level[c] or "<root>" for c in culprits}))
+            if "" in engine._extra_owned:  # the root became an owner: its pre-hooks must run for this call too
+                for fn, with_kwargs in engine._root_hook_fns:
+                    fn(model, args, kwargs) if with_kwargs else fn(model, args)
+            return True
+    engine._extra_owned = saved
+    engine._rebuild_owners()
+    return False
+
+
+def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+         B: int) -> list[Finding]:
+    names = list(engine._trainable)
+    params = [engine._trainable[n] for n in names]
+    indices = _probe_indices(B)
+    # a. engine pass
+    try:
+        res = _engine_pass(engine, model, args, kwargs, B, params, indices)
+    except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the user's or the engine's)
+        logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "")
+        return [Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")]
+    if res is None:
+        logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
+        return []
+    batch_out, idx, cots, rows, total, weights = res
+    findings: list[Finding] = []
+    # b. references
+    refs: dict[int, list[torch.Tensor | None]] = {}
+    for i in indices:
+        a_i, k_i = _slice(args, kwargs, B, i)
+        try:
+            with _Inert(engine):
+                out_i = model(*a_i, **k_i)
+                leaves_i = tree_flatten(out_i)[0]
+                ys = [leaves_i[j] if j < len(leaves_i) else None for j in idx]
+                shapes_ok = all(isinstance(y, torch.Tensor) and y.requires_grad and tuple(y.shape) == (1, *p.shape[1:])
+                                for y, p in zip(ys, batch_out, strict=True))
+                if not shapes_ok:
+                    got = [tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__ for y in ys]
+                    findings.append(Finding("batch of one", "", math.inf, i,
+                                            f"outputs {got} on a batch of one, expected leading size 1 and the "
+                                            f"batch's other sizes {[tuple(p.shape) for p in batch_out]}"))
+                    continue
+                for j, y, p in zip(idx, ys, batch_out, strict=True):
+                    err = _out_err(y, p[i:i + 1])
+                    if err > _rtol(p.dtype):
+                        findings.append(Finding("output", f"leaf {j}", err, i, "sample alone != its row in the batch"))
+                refs[i] = _grads(_dot([c[i:i + 1] for c in cots], ys), params)
+        except Exception as e:  # noqa: BLE001 - reported as the finding
+            findings.append(Finding("batch of one", "", math.inf, i,
+                                    f"the model fails on a batch of one sample: {type(e).__name__}: {e}"))
+    if findings and all(f.check == "batch of one" for f in findings):
+        return findings
+    # c. compare; a parameter whose gradients are mathematically ~0 (a key bias under softmax) is compared with an
+    # absolute floor of _FLOOR times the largest per-sample gradient norm of any parameter
+    norms = [float(t.detach().double().norm()) for r in (*rows.values(), *refs.values()) for t in r
+             if t is not None]
+    floor = _FLOOR * max(norms or [0.0])
+    for k, (n, p) in enumerate(zip(names, params, strict=True)):
+        zero = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
+
+        def val(t: torch.Tensor | None, zero: torch.Tensor = zero) -> torch.Tensor:
+            return zero if t is None else t.detach().double().reshape(zero.shape)
+
+        eng = {i: val(rows[i][k]) for i in indices}
+        ref = {i: val(refs[i][k]) for i in refs}
+        scale = max([float(t.norm()) for t in (*eng.values(), *ref.values())] + [floor])
+        rtol = _rtol(p.dtype)
+        for i in ref:
+            err = _rel(eng[i], ref[i], scale)
+            if err > rtol:
+                findings.append(Finding("per-sample gradient", repr(n), err, i))
+        if len(ref) == len(indices):  # the clipping mode's own weighted sum against the references
+            s_ref = sum((weights[i] * ref[i] for i in indices), zero)
+            err = _rel(val(total[k]), s_ref, max(float(s_ref.norm()), scale))
+            if err > rtol:
+                findings.append(Finding(f"weighted sum ({engine.clipping_mode})", repr(n), err))
+    return findings
+
+
+def _rtol(dtype: torch.dtype) -> float:
+    """The tolerance of ``dtype``, or of the autocast dtype when autocast is on (the forward then rounds to it)."""
+    tol = _PROBE_RTOL.get(dtype, 5e-3)
+    for _, ac in autocast_state():
+        tol = max(tol, _PROBE_RTOL.get(ac, 1e-1))
+    return tol
+
+
+def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,
+                 params: list[nn.Parameter], indices: list[int]) -> tuple[Any, ...] | None:
+    """The model with the engine's hooks capturing into a separate session; seeded cotangents on its batched
+    outputs; per-sample rows for ``indices`` and, by the engine's clipping mode, the sum weighted by random
+    factors on ``indices`` (zero elsewhere). ``None`` if no output has a batch dimension."""
+    gen = torch.Generator().manual_seed(_SEED)
+    saved_pending, saved_stats = engine._pending, {k: dict(v) for k, v in engine.generic_stats.items()}
+    saved_off = set(engine._expand_off)
+    engine._pending = []
+    records = []
+    try:
+        out = model(*args, **kwargs)
+        leaves, idx = _batched_outputs(out, B)
+        if not idx:
+            return None
+        ys = [leaves[j] for j in idx]
+        cots = [torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=y.device, dtype=y.dtype)
+                for y in ys]
+        keep = [t for t in (*engine._anchors.values(), *params,
+                            *(x for x in tree_flatten((args, kwargs))[0]
+                              if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf))]
+        saved_grads = [(t, None if t.grad is None else t.grad.clone()) for t in keep]
+        try:
+            torch.autograd.backward(ys, cots)
+        finally:
+            for t, g in saved_grads:
+                t.grad = g
+        records = [r for r in engine._pending if r.reached]
+    finally:
+        engine._pending = saved_pending
+        engine.generic_stats.clear()
+        engine.generic_stats.update(saved_stats)
+        engine._expand_off.clear()
+        engine._expand_off.update(saved_off)
+    w = torch.zeros(B, dtype=torch.float64)
+    w[indices] = torch.rand(len(indices), generator=gen, dtype=torch.float64) + 0.5
+    weights = {i: float(w[i]) for i in indices}
+    engine._in_bookkeeping = True
+    try:
+        rows = _rows(records, engine._param_of, params, indices)
+        cfg = ClipConfig(mode=engine.clipping_mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
+                         thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
+                         on_nonfinite="raise")
+        res = _clipped_sums(records, engine._param_of, cfg).sums if records else {}
+        total = [res.get(p) for p in params]
+    finally:
+        engine._in_bookkeeping = False
+        for r in records:
+            r.ctx = None
+    return [y.detach() for y in ys], idx, cots, rows, total, weights
+
+
+def _rows(records: list[Any], param_of: dict[tuple[int, str], nn.Parameter], params: list[nn.Parameter],
+          indices: list[int]) -> dict[int, list[torch.Tensor | None]]:
+    """The engine's per-sample gradients of samples ``indices`` from the records (summed over a parameter's uses):
+    kept per-sample gradients (instantiated on arrival) are indexed; a layer kind's call is instantiated on those
+    rows only (its kept input and output gradient sliced); a generic owner's replay runs in full and is kept in
+    ``rec.ctx`` for the clipped sum that follows."""
+    acc: dict[nn.Parameter, torch.Tensor] = {}
+    for rec in records:
+        idx = None
+        if rec.psg is not None:
+            got = {n: g for n, g in rec.psg.items()}
+        elif not rec.kind.replayable:
+            rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+            got = {n: rec.kind.per_sample_grad(rec.module, rec.ctx, n) for n in rec.names}
+        else:
+            idx = torch.tensor(indices, device=rec.grad_output.device)
+            act = rec.activation
+            if isinstance(act, torch.Tensor) and act.dim() >= 1 and act.shape[0] == rec.grad_output.shape[0]:
+                act = act.index_select(0, idx.to(act.device))
+            grad = rec.grad_output.index_select(0, idx)
+            ctx = rec.kind.prepare(rec.module, act, grad)
+            got = {n: rec.kind.per_sample_grad(rec.module, ctx, n) for n in rec.names}
+        for n, g in got.items():
+            g = g if idx is not None else g[indices]
+            p = param_of[(id(rec.module), n)]
+            acc[p] = acc[p] + g if p in acc else g
+    return {i: [acc[p][k] if p in acc else None for p in params] for k, i in enumerate(indices)}
+
+
+def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str]) -> str:
+    owner = {n: (n.rpartition(".")[0] or "<root>") for n in engine._trainable}
+    worst = sorted(findings, key=lambda f: -f.error)[:5]
+    params = sorted({f.where.strip("'") for f in findings if f.where.strip("'") in owner})
+    modules = sorted({owner[n] for n in params})
+    lines = "\n".join(f"  - {f.line()}" for f in worst)
+    more = f" (and {len(findings) - len(worst)} more)" if len(findings) > len(worst) else ""
+    rnd = (f"\nRandom operations other than dropout ran in forward ({sorted(random_ops)}); the probe was retried in "
+           "eval mode and still disagreed." if random_ops else "")
+    return (
+        f"structure probe: the engine's per-sample gradients of this model do not match a brute-force batch-of-one "
+        f"computation (batch size {B}), so training would not be private as stated. Parameters: "
+        f"{params[:8]}{'...' if len(params) > 8 else ''}; modules: {modules[:8]}{'...' if len(modules) > 8 else ''}.\n"
+        f"Evidence{more}:\n{lines}{rnd}\n"
+        "Likely causes: the batch axis is not the first dimension of the model's first tensor input (a "
+        "sequence-first model: pass batch_first inputs); the model mixes samples (x.chunk/split over the batch, "
+        "BatchNorm, reordering or any cross-sample operation); a forward hook changes a layer's output; an output of "
+        "a layer is used without its batch dimension (e.g. emb(position_ids)[0]), or a tensor built inside the "
+        "model has a leading size equal to the batch size by coincidence (arange(T) with T == batch size: use "
+        "position_ids of shape (1, T) or (B, T)).\n"
+        "Fix: keep the batch dimension first and every sample's computation independent of the others' (and the "
+        "probe then passes), or freeze the parameters named above. PrivacyEngine(verify_structure=False) turns this "
+        f"check off, at the risk of silently wrong per-sample clipping. (input signature: {sig[1]})")
