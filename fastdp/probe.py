@@ -331,6 +331,8 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     # a. engine pass
     try:
         res = _engine_pass(engine, model, args, kwargs, B, params, indices)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise  # not a finding about the structure: the caller halves the batch and retries (probed again)
     except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the user's or the engine's)
         logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
                     str(e).splitlines()[0][:200] if str(e) else "")

@@ -91,6 +91,9 @@ def data(n: int, seed: int):
 
 
 def setup(mode="BK-MixOpt", sigma=0.0, **kw):
+    # The injected failures count calls; the structure probe's passes (tests/test_probe.py) would consume them, so
+    # it is off here unless a test asks for it (test_failure_inside_the_probe_leaves_the_engine_clean).
+    kw.setdefault("verify_structure", False)
     torch.manual_seed(0)
     model = Net().to(D)
     engine = make_engine(model, batch_size=B, R=0.3, mode=mode, sigma=sigma, accountant="rdp", **kw)
@@ -350,7 +353,7 @@ def test_failure_changes_neither_noise_nor_accounting():
     for fail in (False, True):
         torch.manual_seed(0)
         model = Net().to(D)
-        engine = make_engine(model, batch_size=B, R=0.3, sigma=1.3, accountant="rdp",
+        engine = make_engine(model, batch_size=B, R=0.3, sigma=1.3, accountant="rdp", verify_structure=False,
                              noise_generator=torch.Generator().manual_seed(7))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine.attach(opt)
@@ -390,7 +393,7 @@ class Gen(nn.Module):
 def gan(seed=0):
     torch.manual_seed(seed)
     disc, gen = Net().to(D), Gen().to(D)
-    engine = make_engine(disc, batch_size=B, R=0.3, accountant="rdp")
+    engine = make_engine(disc, batch_size=B, R=0.3, accountant="rdp", verify_structure=False)
     PRISTINE[id(disc)] = copy.deepcopy(disc)
     opt_d = torch.optim.SGD(disc.parameters(), lr=0.0)
     opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
@@ -517,3 +520,23 @@ def test_clip_grad_norm_before_step_sees_nothing_and_changes_nothing():
     opt.step()
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want)
     assert trainable_names(model) == list(engine.trainable_parameters)
+
+
+@pytest.mark.parametrize("stage", ["out_of_memory"])
+def test_failure_inside_the_probe_leaves_the_engine_clean(stage, monkeypatch):
+    """With the structure probe on, the first forward of a signature runs the probe's passes first: an out-of-memory
+    error there propagates at once, leaves nothing behind, and the retry (probed again, then trained) is exact.
+    (Other errors of the probe's engine pass are left to the real pass, which raises them itself.)"""
+    model, engine, opt = setup(verify_structure=True)
+    acc = engine.accountant.state_dict()
+    inject, exc = STAGES[stage]
+    inject(model, engine, monkeypatch)
+    x, y = data(5, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(exc):
+            backward(model, x, y)
+    assert_clean(engine, model, acc)
+    Boom.armed = None
+    retry_matches_oracle(model, engine, opt, *data(3, 2))
+    assert engine.probe_stats["signatures"] >= 1
