@@ -238,6 +238,7 @@ class PrivacyEngine:
         self._probing = False  # the structure probe's passes are running (fastdp.probe)
         self._probe_reference = False  # its plain / batch-of-one passes: engine hooks inert
         self._probe_seen: set[Any] = set()  # input signatures verified
+        self._probe_buffers: list[Any] = []  # the model's buffers at the probe's start (restored before each pass)
         self._probe_broadcast: list[nn.Module] = []  # modules whose broadcast output the probe's pass expanded
         self._probe_outside: list[nn.Module] = []  # modules whose parameters the probe's pass saw used outside them
         #: module name -> parameter paths it owns on the generic path (the probe's fallback for broadcast outputs)

@@ -221,6 +221,16 @@ class _Inert:
 
 
 # ---------------------------------------------------------------------------------------------- the probe
+def _restore_buffers(buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
+    """Put every buffer back as it was before the probe (same tensor object, same values), so that each probe pass
+    starts from the state the real forward will see (a stateful forward, e.g. spectral_norm's power iteration in
+    train mode, would otherwise give the passes different weights)."""
+    with torch.no_grad():
+        for m, n, b, saved in buffers:
+            m._buffers[n] = b
+            b.copy_(saved)
+
+
 def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> None:
     """Run the probe if this call's signature is new (see the module docstring); raise :class:`StructureError` on
     a mismatch. Called by the engine's root forward pre-hook."""
@@ -232,6 +242,11 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     devices = sorted({x.device for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cuda"},
                      key=str)
     training = [(m, m.training) for m in model.modules()]
+    # the probe's passes must leave no trace: buffers a forward updates (spectral_norm's power iteration, running
+    # statistics) are put back, in place and as the same tensor objects
+    buffers = [(m, n, b, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items()
+               if isinstance(b, torch.Tensor)]
+    engine._probe_buffers = buffers
     stats = engine.probe_stats
     findings: list[Finding] | None = None
     random_ops: set[str] = set()
@@ -259,6 +274,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     finally:
         engine._probing = False
         engine._probe_broadcast, engine._probe_outside = [], []
+        _restore_buffers(buffers)
         for m, flag in training:
             m.training = flag
         stats["seconds"] += time.perf_counter() - t0
@@ -330,6 +346,7 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     indices = _probe_indices(B)
     # a. engine pass
     try:
+        _restore_buffers(engine._probe_buffers)
         res = _engine_pass(engine, model, args, kwargs, B, params, indices)
     except (torch.OutOfMemoryError, MemoryError):
         raise  # not a finding about the structure: the caller halves the batch and retries (probed again)
@@ -347,6 +364,7 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     for i in indices:
         a_i, k_i = _slice(args, kwargs, B, i)
         try:
+            _restore_buffers(engine._probe_buffers)
             with _Inert(engine):
                 out_i = model(*a_i, **k_i)
                 leaves_i = tree_flatten(out_i)[0]
