@@ -36,6 +36,7 @@ hangs. The rule itself is :mod:`layout_oracle` (tests/layout_oracle.py).
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import math
@@ -93,22 +94,54 @@ def list_archs() -> list[tuple[str, str, str]]:
     return out
 
 
-def tiny_config(model_type: str):
-    import transformers
-    from transformers import CONFIG_MAPPING
-
-    cfg_cls = CONFIG_MAPPING[model_type]
+def _shrink_kwargs(cfg_cls) -> dict:
     params = set(inspect.signature(cfg_cls.__init__).parameters) | set(getattr(cfg_cls, "attribute_map", {}))
-    default = cfg_cls()
+    try:
+        default = cfg_cls()
+    except Exception:  # noqa: BLE001
+        default = None
     kw = {k: v for k, v in SIZES.items() if k in params}
-    kw["num_labels"] = LABELS  # a generic PretrainedConfig argument
-    for k in list(vars(default)) + list(params):
+    for k in list(vars(default) if default is not None else []) + list(params):
         v = getattr(default, k, None)
         if ("dropout" in k or "pdrop" in k or k.endswith("_drop")) and isinstance(v, float):
             kw[k] = 0.0
+    return kw
+
+
+def tiny_config(model_type: str):
+    """The model type's config with the sizes of ``SIZES`` (where its __init__ takes them), dropout 0, eager
+    attention; sub-configs (``text_config``, ``vision_config``, ...) shrunk the same way."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    cfg_cls = CONFIG_MAPPING[model_type]
+    kw = _shrink_kwargs(cfg_cls)
+    kw["num_labels"] = LABELS  # a generic PretrainedConfig argument
     kw["attn_implementation"] = "eager"
-    del transformers
-    return cfg_cls(**kw)
+    cfg = cfg_cls(**kw)
+    for name, sub in list(vars(cfg).items()):
+        if isinstance(sub, PretrainedConfig):
+            try:
+                skw = _shrink_kwargs(type(sub))
+                new = type(sub)(**skw)
+                new._attn_implementation = "eager"
+                setattr(cfg, name, new)
+            except Exception:  # noqa: BLE001 - keep the default sub-config; the size guard catches what is too big
+                pass
+    return cfg
+
+
+MAX_PARAMS = 3_000_000
+
+
+def _count_on_meta(cls, cfg) -> int | None:
+    import torch
+
+    try:
+        with torch.device("meta"):
+            m = cls(cfg)
+        return sum(p.numel() for p in m.parameters())
+    except Exception:  # noqa: BLE001
+        return None
 
 
 class Wrap:
@@ -149,8 +182,12 @@ def build(model_type: str, head: str, cls_name: str, dtype):
     import transformers
 
     cfg = tiny_config(model_type)
+    cls = getattr(transformers, cls_name)
+    n = _count_on_meta(cls, cfg)
+    if n is not None and n > MAX_PARAMS:
+        raise ValueError(f"still {n} parameters after shrinking the config (limit {MAX_PARAMS})")
     torch.manual_seed(0)
-    model = getattr(transformers, cls_name)(cfg)
+    model = cls(cfg)
     model = _wrap_cls()(model, head).to(dtype)
     model.eval()
     return model, cfg
@@ -228,8 +265,9 @@ def run_one(model_type: str, head: str, cls_name: str) -> dict:
     t0 = time.time()
     try:
         model = cfg = None
-        err = None
+        errs: list = []
         for dtype in (torch.float64, torch.float32):
+            stage = "forward"
             try:
                 model, cfg = build(model_type, head, cls_name, dtype)
                 hdim = None
@@ -240,28 +278,28 @@ def run_one(model_type: str, head: str, cls_name: str) -> dict:
                 with torch.no_grad():
                     out = call_model(model, batches[0][0])
                     loss(out, batches[0][1])
+                stage = "backward"
+                names = trainable_names(model)
+                om = oracle_model(model) if dtype == torch.float64 else copy.deepcopy(model)
+                psg = per_sample_grads(om, loss, batches, names)
+                ctrl = control_error(om, loss, batches, psg, names)
                 row["dtype"] = str(dtype).replace("torch.", "")
                 break
-            except Exception as e:  # noqa: BLE001
-                err = (e, sys.exc_info()[2])
+            except _Timeout:
+                raise
+            except Exception as e:  # noqa: BLE001 - float64 may be what fails: try float32
+                errs.append((e, sys.exc_info()[2], stage))
                 model = None
         if model is None:
-            e, tb = err
+            e, tb, stage = errs[0]  # the float64 attempt's error; the float32 one after it
             kind = "build-failed" if cfg is None else "crash-in-model"
-            row.update(outcome=kind, detail=f"{type(e).__name__} at {_where(tb)}: {_first_line(str(e))}")
+            where = "" if kind == "build-failed" else f"{stage}: "
+            detail = f"{where}{type(e).__name__} at {_where(tb)}: {_first_line(str(e))}"
+            if len(errs) > 1 and str(errs[1][0]) != str(e):
+                detail += f" [float32: {errs[1][2]}: {type(errs[1][0]).__name__}: {_first_line(str(errs[1][0]), 80)}]"
+            row.update(outcome=kind, detail=detail)
             return row
-        names = trainable_names(model)
         row["params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        om = oracle_model(model) if row["dtype"] == "float64" else __import__("copy").deepcopy(model)
-        try:
-            psg = per_sample_grads(om, loss, batches, names)
-            ctrl = control_error(om, loss, batches, psg, names)
-        except _Timeout:
-            raise
-        except Exception as e:  # noqa: BLE001
-            row.update(outcome="crash-in-model",
-                       detail=f"backward: {type(e).__name__} at {_where(sys.exc_info()[2])}: {_first_line(str(e))}")
-            return row
         row["control_err"] = ctrl
         if not math.isfinite(ctrl) or ctrl > 1e-4:
             row.update(outcome="control-failed", detail=f"sum of batch-of-one grads vs batched: rel err {ctrl:.3g}")
@@ -289,9 +327,11 @@ def run_one(model_type: str, head: str, cls_name: str) -> dict:
         if rel <= tol:
             row.update(outcome="exact", detail=f"rel err {rel:.2g} (tol {tol:.2g})")
         else:
-            worst = max(names, key=lambda n: float((got[n].double() - want[n].double()).norm())
-                        / max(1e-300, float(want[n].double().norm())))
-            row.update(outcome="silent", detail=f"rel err {rel:.3g} (tol {tol:.2g}); worst parameter {worst}")
+            worst = max(names, key=lambda n: float((got[n].double() - want[n].double()).norm()))
+            wrel = float((got[worst].double() - want[worst].double()).norm()) / max(1e-300, float(
+                want[worst].double().norm()))
+            row.update(outcome="silent", detail=f"rel err {rel:.3g} (tol {tol:.2g}); largest error in {worst} "
+                       f"(its rel err {wrel:.2g})")
         return row
     except _Timeout:
         row.update(outcome="timeout", detail="over the per-model limit")
@@ -319,6 +359,10 @@ def worker(out_path: str, items: list[str], limit: int) -> None:
         raise _Timeout()
 
     signal.signal(signal.SIGALRM, on_alarm)
+    import resource
+
+    gib = 2**30
+    resource.setrlimit(resource.RLIMIT_AS, (6 * gib, 6 * gib))  # a model that did not shrink must not eat the machine
     with open(out_path, "a") as f:
         for it in items:
             mt, head, cls = it.split(":")

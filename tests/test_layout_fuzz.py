@@ -360,7 +360,6 @@ def _drawn(layout, B, T, d, C, seed, mode):
 
 def _strategy():
     from hypothesis import strategies as st
-
     from oracle import MODES
 
     return dict(layout=st.sampled_from(LAYOUTS), B=st.integers(0, 6), T=st.integers(1, 6), d=st.sampled_from([4, 6]),
