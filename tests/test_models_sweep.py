@@ -1,0 +1,82 @@
+"""Every transformers architecture that builds from a tiny config: exact or refused, never silent (tests/hf_sweep.py).
+
+The default run checks three architectures (a smoke test of the sweep's machinery and of the rule); the whole sweep
+is ``@pytest.mark.slow`` (one test per architecture, in-process under a per-model alarm; ``python tests/hf_sweep.py
+--write`` runs the same in worker processes and writes docs/models_sweep.md). Architectures whose model fails without
+the engine (crash-in-model, build-failed, control-failed: the model couples samples, timeout) are skipped with the
+reason; ``silent`` and ``engine-crash`` (a refusal that names nothing of the model) fail.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_sweep  # noqa: E402
+
+# model type -> why it is silent on today's main (from docs/models_sweep.md); strict xfail
+SILENT_TODAY = {
+    "bert": "silent today: BertLMHeadModel's decoder bias is tied to cls.predictions.bias (a parameter of the "
+            "generic owner BertLMPredictionHead that its forward never reads): m.cls.predictions.bias rel err ~0.97, "
+            "whole gradient 0.17",
+    "roberta": "silent today: RobertaForCausalLM's lm_head.decoder.bias tied to lm_head.bias (same pattern as BERT), "
+               "whole gradient rel err ~0.15",
+}
+
+OK = ("exact", "refused")
+SKIP = ("crash-in-model", "build-failed", "control-failed", "timeout")
+
+
+def _archs():
+    try:
+        return {mt: (mt, head, cls) for mt, head, cls in hf_sweep.list_archs()}
+    except Exception:  # noqa: BLE001 - transformers without the auto mappings: nothing to sweep
+        return {}
+
+
+ARCHS = _archs()
+
+
+def _run(mt: str, limit: int = 120) -> dict:
+    def on_alarm(*_):
+        raise hf_sweep._Timeout()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(limit)
+    try:
+        return hf_sweep.run_one(*ARCHS[mt])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _judge(row: dict) -> None:
+    if row["outcome"] in SKIP:
+        pytest.skip(f"{row['arch']}: {row['outcome']}: {row['detail']}")
+    assert row["outcome"] in OK, f"{row['arch']} ({row['class']}): {row['outcome']}: {row['detail']}"
+
+
+def _param(mt: str):
+    marks = [pytest.mark.xfail(strict=True, reason=SILENT_TODAY[mt])] if mt in SILENT_TODAY else []
+    return pytest.param(mt, marks=marks, id=mt)
+
+
+@pytest.mark.parametrize("mt", [_param(m) for m in ("gpt2", "llama", "bert")])
+def test_sweep_smoke(mt):
+    """Three architectures through the sweep: GPT-2 and Llama are exact; BERT (its causal-LM head, whose decoder bias
+    is tied to a parameter of a generic owner) is silent today."""
+    if mt not in ARCHS:
+        pytest.skip(f"{mt} not in this transformers version")
+    row = _run(mt)
+    if mt in ("gpt2", "llama"):
+        assert row["outcome"] == "exact", row  # the sweep's machinery itself works: no skip allowed here
+    _judge(row)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mt", [_param(m) for m in ARCHS])
+def test_sweep_architecture(mt):
+    _judge(_run(mt))
