@@ -219,7 +219,7 @@ class _Head(nn.Module):
 
 
 class TiedBias(nn.Module):
-    """Linear -> tanh -> _Head (a bias owned by both the head and its decoder Linear, as BERT's / RoBERTa's LM heads)."""
+    """Linear -> tanh -> _Head (a bias owned by the head and by its decoder Linear, as in BERT / RoBERTa LM heads)."""
 
     def __init__(self, d: int, C: int):
         super().__init__()
