@@ -205,6 +205,27 @@ class RawParams(nn.Module):
         return self.out(torch.tanh(h))[:, 1:]
 
 
+class InPlace(nn.Module):
+    """A layer's output modified in place by the model (Falcon: ``mlp_output += attention_output``)."""
+
+    def __init__(self, d: int, C: int, how: str):
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(d, d)
+        self.side = nn.Linear(d, d)
+        self.mid = nn.Linear(d, d)
+        self.out = nn.Linear(d, C)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        m = self.mid(h)
+        if self.how == "add":
+            m += torch.tanh(self.side(h))
+        elif self.how == "mul":
+            m.mul_(2.0)
+        return self.out(torch.tanh(m))
+
+
 class _Head(nn.Module):
     """HF's LM-head pattern: ``self.bias`` is also ``self.decoder.bias``; the forward reads it only through decoder."""
 
@@ -248,6 +269,8 @@ def build(layout: str, T: int, d: int, C: int) -> tuple[nn.Module, str]:
         return PosConsumer(V, T, d, C, arg), "ids"
     if kind == "raw":
         return RawParams(d, C), "x"
+    if kind == "inplace":
+        return InPlace(d, C, arg), "x"
     if kind == "tie":
         return TiedBias(d, C), "x"
     raise ValueError(layout)
@@ -256,7 +279,8 @@ def build(layout: str, T: int, d: int, C: int) -> tuple[nn.Module, str]:
 # per-sample layouts: the rule is exact or refused
 LAYOUTS = ["seqfirst:mha", "seqfirst:conv", "seqfirst:pointwise", "seqfirst:layernorm", "seqfirst:rawpos",
            "seqfirst_emb", "chunk:batch", "chunk:features", "hook:x2", "pos:add", "pos:index0", "pos:squeeze0",
-           "pos:cat0", "pos:expand_reshape", "raw:params", "tie:bias"]
+           "pos:cat0", "pos:expand_reshape", "raw:params", "tie:bias",
+           "inplace:add", "inplace:mul"]
 # layouts that couple samples: the control must fail, and the engine must refuse
 COUPLING = ["chunk:mixed", "hook:cross", "hook:flip"]
 
@@ -275,6 +299,10 @@ SILENT_TODAY: dict[tuple[str, str], str] = {
     **{("tie:bias", r): "silent today: a bias shared by a Linear (decoder.bias) and its parent (head.bias, the "
        "name named_parameters keeps), as in BERT's / RoBERTa's LM heads: its released gradient is counted twice "
        "(2x the oracle's without clipping; rel err ~0.35 with)" for r in RELATIONS},
+    **{(f"inplace:{h}", r): f"silent today: a Linear's output modified in place ({'+=' if h == 'add' else 'mul_'}) "
+       "by the model, as Falcon's mlp_output += attention_output: the engine's output-gradient hook never fires and "
+       "mid.weight / mid.bias are released as exactly 0 (silently frozen), no error" for h in ("add", "mul")
+       for r in RELATIONS},
     ("pos:index0", "distinct"): "silent today: " + _POS0,
     ("pos:index0", "B==C"): "silent today: " + _POS0,
     ("chunk:batch", "distinct"): _UNNAMED + "the chunks of an odd batch (2 + 1) meet a layer's expanded output",
@@ -366,7 +394,7 @@ def known_bad_today(layout: str, B: int, T: int, d: int, C: int) -> bool:
     patterns of ``SILENT_TODAY``, generalised. Used by the drawn tests, which fail only on a NEW bad pattern."""
     if layout.startswith("seqfirst") and layout != "seqfirst:mha" and B == T and B > 1:
         return True
-    if layout in ("hook:x2", "tie:bias"):
+    if layout in ("hook:x2", "tie:bias", "inplace:add", "inplace:mul"):
         return True
     if layout in ("pos:index0", "pos:cat0", "chunk:batch") and B != 1:
         return True
