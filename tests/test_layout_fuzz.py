@@ -226,6 +226,45 @@ class InPlace(nn.Module):
         return self.out(torch.tanh(m))
 
 
+class Views(nn.Module):
+    """Two views of each sample through the same layers as one batch of 2B rows (SimCLR / siamese style):
+    ``mid(cat([h, -h]))`` split back into halves; rows i and B + i both belong to sample i."""
+
+    def __init__(self, d: int, C: int):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.mid = nn.Linear(d, d)
+        self.out = nn.Linear(d, C)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        z = torch.tanh(self.mid(torch.cat([h, h.flip(-1)])))
+        a, b = z[: h.shape[0]], z[h.shape[0]:]
+        return self.out(a * b)
+
+
+class Checkpointed(nn.Module):
+    """A block under activation checkpointing (``torch.utils.checkpoint``, non-reentrant): its forward runs twice."""
+
+    def __init__(self, d: int, C: int, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.mid = nn.Linear(d, d)
+        self.out = nn.Linear(d, C)
+
+    def block(self, h):
+        return torch.tanh(self.mid(self.norm(h)))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
 class _Head(nn.Module):
     """HF's LM-head pattern: ``self.bias`` is also ``self.decoder.bias``; the forward reads it only through decoder."""
 
@@ -271,6 +310,10 @@ def build(layout: str, T: int, d: int, C: int) -> tuple[nn.Module, str]:
         return RawParams(d, C), "x"
     if kind == "inplace":
         return InPlace(d, C, arg), "x"
+    if kind == "views":
+        return Views(d, C), "x"
+    if kind == "ckpt":
+        return Checkpointed(d, C, arg == "reentrant"), "x"
     if kind == "tie":
         return TiedBias(d, C), "x"
     raise ValueError(layout)
@@ -280,7 +323,7 @@ def build(layout: str, T: int, d: int, C: int) -> tuple[nn.Module, str]:
 LAYOUTS = ["seqfirst:mha", "seqfirst:conv", "seqfirst:pointwise", "seqfirst:layernorm", "seqfirst:rawpos",
            "seqfirst_emb", "chunk:batch", "chunk:features", "hook:x2", "pos:add", "pos:index0", "pos:squeeze0",
            "pos:cat0", "pos:expand_reshape", "raw:params", "tie:bias",
-           "inplace:add", "inplace:mul"]
+           "inplace:add", "inplace:mul", "views:2b", "ckpt:plain"]
 # layouts that couple samples: the control must fail, and the engine must refuse
 COUPLING = ["chunk:mixed", "hook:cross", "hook:flip"]
 
