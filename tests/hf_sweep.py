@@ -120,6 +120,7 @@ def tiny_config(model_type: str):
     kw = _shrink_kwargs(cfg_cls)
     kw["num_labels"] = LABELS  # a generic PretrainedConfig argument
     kw["attn_implementation"] = "eager"
+    kw["experts_implementation"] = "eager"  # MoE: torch's grouped_mm has no float64 kernel
     cfg = cfg_cls(**kw)
     for name, sub in list(vars(cfg).items()):
         if isinstance(sub, PretrainedConfig):
@@ -127,6 +128,7 @@ def tiny_config(model_type: str):
                 skw = _shrink_kwargs(type(sub))
                 new = type(sub)(**skw)
                 new._attn_implementation = "eager"
+                new._experts_implementation = "eager"
                 setattr(cfg, name, new)
             except Exception:  # noqa: BLE001 - keep the default sub-config; the size guard catches what is too big
                 pass
