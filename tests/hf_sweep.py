@@ -452,7 +452,8 @@ def write_table(rows: list[dict], md: Path, js: Path, total: int, name: str = "m
         "and what each outcome means: the docstring of `tests/hf_sweep.py`. Engine: BK-MixOpt, abadi, all-layer, "
         f"noise 0, R between the per-sample norms (some samples clipped), batch of {B} samples x {T} tokens.",
         "",
-        f"Covered {len(rows)} of {total} architectures with a text head.",
+        f"Covered {len(rows)} of {total} model types (each with its first auto class of: causal LM, seq2seq LM, "
+        "sequence classifier, base model; vision and audio models fail for want of their inputs).",
         "",
         "| outcome | count |",
         "|---|---|",
