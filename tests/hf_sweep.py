@@ -434,7 +434,8 @@ def sweep(items: list[tuple[str, str, str]], limit: int, progress: Path) -> list
 ORDER = ["exact", "refused", "engine-crash", "silent", "control-failed", "crash-in-model", "build-failed", "timeout"]
 
 
-def write_table(rows: list[dict], md: Path, js: Path, total: int, name: str = "models_sweep") -> None:
+def write_table(rows: list[dict], md: Path, js: Path, total: int, name: str = "models_sweep", subset: bool = False
+                ) -> None:
     import torch
     import transformers
 
@@ -453,7 +454,8 @@ def write_table(rows: list[dict], md: Path, js: Path, total: int, name: str = "m
         f"noise 0, R between the per-sample norms (some samples clipped), batch of {B} samples x {T} tokens.",
         "",
         f"Covered {len(rows)} of {total} model types (each with its first auto class of: causal LM, seq2seq LM, "
-        "sequence classifier, base model; vision and audio models fail for want of their inputs).",
+        "sequence classifier, base model; vision and audio models fail for want of their inputs)"
+        + ("; a subset chosen with --only." if subset else "."),
         "",
         "| outcome | count |",
         "|---|---|",
@@ -508,7 +510,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['arch']:30s} {r['outcome']:15s} {str(r.get('detail', ''))[:150]}")
     if a.write:
-        write_table(rows, ROOT / "docs" / f"{a.name}.md", ROOT / "docs" / f"{a.name}.json", total, a.name)
+        write_table(rows, ROOT / "docs" / f"{a.name}.md", ROOT / "docs" / f"{a.name}.json", total, a.name, bool(a.only))
     return 0
 
 
