@@ -494,3 +494,43 @@ def test_drawn_layouts_no_new_silent():
 @pytest.mark.slow
 def test_drawn_layouts_no_new_silent_large():
     _run_drawn(600)
+
+
+# --------------------------------------------------------------------------- the judge itself can fail
+
+
+def test_judge_detects_silent_and_unnamed(monkeypatch):
+    """The judge is not a rubber stamp: a release scaled by 1.001 is silent, an exception naming nothing is rejected,
+    a parameter moved before an exception is silent, and an honest engine run is exact."""
+    import layout_oracle
+
+    model, batches, reduction, bs = _case("raw:params", "distinct")
+    real = layout_oracle.run_engine_once
+    assert assert_exact_or_refused(model, mse_per_sample, batches, reduction=reduction, batch_size=bs) == "exact"
+
+    def scaled(*a, **k):
+        e, o, got = real(*a, **k)
+        return e, o, {n: g * 1.001 for n, g in got.items()}
+
+    monkeypatch.setattr(layout_oracle, "run_engine_once", scaled)
+    model, batches, reduction, bs = _case("raw:params", "distinct")
+    with pytest.raises(SilentError, match="rel err"):
+        assert_exact_or_refused(model, mse_per_sample, batches, reduction=reduction, batch_size=bs)
+
+    def unnamed(*a, **k):
+        raise RuntimeError("something went wrong")
+
+    monkeypatch.setattr(layout_oracle, "run_engine_once", unnamed)
+    model, batches, reduction, bs = _case("raw:params", "distinct")
+    with pytest.raises(AssertionError, match="does not name"):
+        assert_exact_or_refused(model, mse_per_sample, batches, reduction=reduction, batch_size=bs)
+
+    def moved_then_raised(model, *a, **k):
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        raise RuntimeError("module 'inp' refused too late")
+
+    monkeypatch.setattr(layout_oracle, "run_engine_once", moved_then_raised)
+    model, batches, reduction, bs = _case("raw:params", "distinct")
+    with pytest.raises(SilentError, match="after releasing"):
+        assert_exact_or_refused(model, mse_per_sample, batches, reduction=reduction, batch_size=bs)
