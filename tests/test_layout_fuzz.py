@@ -28,8 +28,9 @@ Layouts (``LAYOUTS``):
   ``reshape(-1, d)``.
 * **raw parameters**: a class token concatenated along time, a learned scale.
 
-Size relations (``RELATIONS``): all dimensions distinct, B == T, B == d, B == C (output width), B == 1, and an empty
-physical batch (B = 0) next to a non-empty one (loss reduction "sum").
+Size relations (``RELATIONS``): all dimensions distinct, B == T, B == d, B == C (output width), B == 1, an empty
+physical batch (B = 0) next to a non-empty one (loss reduction "sum"), and T == 1 (a (1, d) output that is not a
+broadcast batch).
 
 Cases that are silent on today's main are ``xfail(strict=True)`` (``SILENT_TODAY``): when the structure probe lands
 they pass, strict xfail fails, and the marker must be removed.
@@ -57,6 +58,7 @@ RELATIONS = {
     "B==C": (4, 5, 6, 4),
     "B==1": (1, 5, 6, 7),
     "B==0": (0, 5, 6, 7),
+    "T==1": (3, 1, 6, 7),
 }
 
 
@@ -351,10 +353,16 @@ SILENT_TODAY: dict[tuple[str, str], str] = {
     ("pos:nobatch", "B==T"): "silent today: a position embedding of arange(T) (no leading 1) gives a (T, d) output; "
     "with T == B the engine takes it as per-sample (refused when T != B), pe.weight wrong (rel err ~0.008); the "
     "mechanism of T5's relative_attention_bias and BART-family embed_positions at B == T",
+    ("pos:nobatch", "T==1"): "silent today: with T == 1 the (T, d) = (1, d) position output is taken for a broadcast "
+    "batch dimension and expanded to (B, d), which changes the model's output shape (B, 1, d) + (B, d) -> (B, B, d): "
+    "the engine alters the forward itself (rel err ~0.2-0.7)",
     ("pos:index0", "distinct"): "silent today: " + _POS0,
+    ("pos:index0", "T==1"): "silent today: " + _POS0,
     ("pos:index0", "B==C"): "silent today: " + _POS0,
     ("chunk:batch", "distinct"): _UNNAMED + "the chunks of an odd batch (2 + 1) meet a layer's expanded output",
     ("chunk:batch", "B==0"): _UNNAMED + "the chunks of an odd batch (2 + 1) meet a layer's expanded output",
+    ("chunk:batch", "T==1"): _UNNAMED + "the chunks of an odd batch (2 + 1) meet a layer's expanded output",
+    ("pos:cat0", "T==1"): _UNNAMED + "torch.cat along dim 0 of the expanded position embedding gives 2B rows",
     ("pos:cat0", "distinct"): _UNNAMED + "torch.cat along dim 0 of the expanded position embedding gives 2B rows",
     ("pos:cat0", "B==C"): _UNNAMED + "torch.cat along dim 0 of the expanded position embedding gives 2B rows",
 }
@@ -443,6 +451,8 @@ def known_bad_today(layout: str, B: int, T: int, d: int, C: int) -> bool:
     """Whether today's main may be silent (or refuse without naming anything) on this layout and these sizes: the
     patterns of ``SILENT_TODAY``, generalised. Used by the drawn tests, which fail only on a NEW bad pattern."""
     if (layout.startswith("seqfirst") and layout != "seqfirst:mha" or layout == "pos:nobatch") and B == T and B > 1:
+        return True
+    if layout == "pos:nobatch" and T == 1 and B > 1:
         return True
     if layout in ("hook:x2", "tie:bias", "inplace:add", "inplace:mul"):
         return True
