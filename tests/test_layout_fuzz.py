@@ -155,7 +155,10 @@ class Hooked(nn.Module):
         self.mid = nn.Linear(d, d)
         self.out = nn.Linear(d, C)
         fns = {"x2": lambda m, a, o: o * 2, "cross": lambda m, a, o: o + o.mean(0), "flip": lambda m, a, o: o.flip(0)}
-        self.mid.register_forward_hook(fns[hook])
+        if hook == "pre_x2":  # a forward pre-hook that rescales the layer's input
+            self.mid.register_forward_pre_hook(lambda m, a: (a[0] * 2,))
+        else:
+            self.mid.register_forward_hook(fns[hook])
 
     def forward(self, x):
         return self.out(torch.tanh(self.mid(self.norm(torch.tanh(self.inp(x))))))
@@ -325,7 +328,7 @@ def build(layout: str, T: int, d: int, C: int) -> tuple[nn.Module, str]:
 
 # per-sample layouts: the rule is exact or refused
 LAYOUTS = ["seqfirst:mha", "seqfirst:conv", "seqfirst:pointwise", "seqfirst:layernorm", "seqfirst:rawpos",
-           "seqfirst_emb", "chunk:batch", "chunk:features", "hook:x2", "pos:add", "pos:index0", "pos:squeeze0",
+           "seqfirst_emb", "chunk:batch", "chunk:features", "hook:x2", "hook:pre_x2", "pos:add", "pos:index0", "pos:squeeze0",
            "pos:cat0", "pos:expand_reshape", "pos:nobatch", "raw:params", "tie:bias",
            "inplace:add", "inplace:mul", "views:2b", "ckpt:plain"]
 # layouts that couple samples: the control must fail, and the engine must refuse
