@@ -328,8 +328,8 @@ def build(layout: str, T: int, d: int, C: int) -> tuple[nn.Module, str]:
 
 # per-sample layouts: the rule is exact or refused
 LAYOUTS = ["seqfirst:mha", "seqfirst:conv", "seqfirst:pointwise", "seqfirst:layernorm", "seqfirst:rawpos",
-           "seqfirst_emb", "chunk:batch", "chunk:features", "hook:x2", "hook:pre_x2", "pos:add", "pos:index0", "pos:squeeze0",
-           "pos:cat0", "pos:expand_reshape", "pos:nobatch", "raw:params", "tie:bias",
+           "seqfirst_emb", "chunk:batch", "chunk:features", "hook:x2", "hook:pre_x2", "pos:add", "pos:index0",
+           "pos:squeeze0", "pos:cat0", "pos:expand_reshape", "pos:nobatch", "raw:params", "tie:bias",
            "inplace:add", "inplace:mul", "views:2b", "ckpt:plain"]
 # layouts that couple samples: the control must fail, and the engine must refuse
 COUPLING = ["chunk:mixed", "hook:cross", "hook:flip"]
