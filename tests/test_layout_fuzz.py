@@ -22,11 +22,15 @@ Layouts (``LAYOUTS``):
   (per-sample, so exact or refused), or chunks along features; halves *mixed* across samples (the model couples
   samples: the plain-autograd control must fail, and the engine should refuse rather than release).
 * **user forward hooks** on a layer: rescale (x2; per-sample), ``out + out.mean(0)`` and ``out.flip(0)`` (both
-  couple samples: control fails; the engine should refuse).
+  couple samples: control fails; the engine should refuse); a forward *pre*-hook rescaling the input.
 * **broadcast consumers** of a (1, T) position-id embedding: add (HF style), ``[0]`` then add, ``.squeeze(0)`` then
   add, ``torch.cat`` along dim 0 with the batch (prepend as a row, then add the row back), ``expand`` then
   ``reshape(-1, d)``.
+  And a position embedding of ``arange(T)`` without the leading 1: a (T, d) output with no batch dimension.
 * **raw parameters**: a class token concatenated along time, a learned scale.
+* **tied bias**: a Linear's bias that is also a parameter of its parent module (BERT / RoBERTa LM heads).
+* **in-place** modification of a layer's output by the model (``+=``, ``mul_``; Falcon's decoder layer).
+* **two views** of each sample through the same layer as one batch of 2B rows; **activation checkpointing**.
 
 Size relations (``RELATIONS``): all dimensions distinct, B == T, B == d, B == C (output width), B == 1, an empty
 physical batch (B = 0) next to a non-empty one (loss reduction "sum"), and T == 1 (a (1, d) output that is not a
