@@ -6,6 +6,11 @@ Usage (from the repository root)::
     python tests/hf_sweep.py --write --only gpt2,bert,llama --timeout 40     # a few
     python tests/hf_sweep.py --write --limit 50                             # the first 50
     python tests/hf_sweep.py --write --batch 7 --seq 7 --name models_sweep_b_eq_t   # B == T
+    python tests/hf_sweep.py --write --mask --name models_sweep_mask                # padding + attention_mask
+    python tests/hf_sweep.py --write --mode ghost --name models_sweep_ghost         # another clipping mode
+
+(the docs/models_sweep_*.md variants were run with ``--only`` the 221 types that were exact, silent or refused in
+the default sweep, and ``--progress /tmp/...`` so that the default progress file is not mixed).
 
 Writes ``docs/models_sweep.md`` (the table) and ``docs/models_sweep.json`` (the raw rows). No network: every model
 is built from its config class (``transformers.CONFIG_MAPPING_NAMES``) with shrunk sizes (hidden 16, 2 layers,
@@ -18,9 +23,11 @@ classifier, else its base model. Per-sample losses come from the outputs (never 
 * classifier: cross-entropy of the sample's logits (5 labels);
 * base model: mean over the sample's tokens of ``<h_t, w>`` for a fixed random ``w`` (last hidden state).
 
-Batch: 3 samples of 7 tokens by default (``--batch``, ``--seq``; ids >= 2, no padding). Outcomes per architecture:
+Batch: 3 samples of 7 tokens by default (``--batch``, ``--seq``; ids >= 2; no padding unless ``--mask``: sample i
+then has i % 3 right-padded tokens (id 0) and the attention mask, and the losses average over its own tokens).
+Outcomes per architecture:
 
-* ``exact``: the engine (BK-MixOpt, abadi, all-layer, noise 0) released the oracle's clipped sum, whole-gradient
+* ``exact``: the engine (BK-MixOpt or ``--mode``, abadi, all-layer, noise 0) released the oracle's clipped sum, whole-gradient
   relative error <= max(1e-6, 100 * control error);
 * ``refused``: the engine raised, naming a module or parameter of the model (first line of the message);
 * ``engine-crash``: the engine raised with a message that names nothing of the model (an internal error);
