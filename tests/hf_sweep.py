@@ -27,8 +27,8 @@ Batch: 3 samples of 7 tokens by default (``--batch``, ``--seq``; ids >= 2; no pa
 then has i % 3 right-padded tokens (id 0) and the attention mask, and the losses average over its own tokens).
 Outcomes per architecture:
 
-* ``exact``: the engine (BK-MixOpt or ``--mode``, abadi, all-layer, noise 0) released the oracle's clipped sum, whole-gradient
-  relative error <= max(1e-6, 100 * control error);
+* ``exact``: the engine (BK-MixOpt or ``--mode``, abadi, all-layer, noise 0) released the oracle's clipped sum,
+  whole-gradient relative error <= max(1e-6, 100 * control error);
 * ``refused``: the engine raised, naming a module or parameter of the model (first line of the message);
 * ``engine-crash``: the engine raised with a message that names nothing of the model (an internal error);
 * ``silent``: released but wrong (relative error given);
