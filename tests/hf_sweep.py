@@ -10,7 +10,7 @@ Usage (from the repository root)::
     python tests/hf_sweep.py --write --mode ghost --name models_sweep_ghost         # another clipping mode
 
 (the docs/models_sweep_*.md variants were run with ``--only`` the 221 types that were exact, silent or refused in
-the default sweep, and ``--progress /tmp/...`` so that the default progress file is not mixed).
+the default sweep). A run starts afresh unless ``--resume`` (then it continues its progress file).
 
 Writes ``docs/models_sweep.md`` (the table) and ``docs/models_sweep.json`` (the raw rows). No network: every model
 is built from its config class (``transformers.CONFIG_MAPPING_NAMES``) with shrunk sizes (hidden 16, 2 layers,
@@ -506,9 +506,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated model types")
     ap.add_argument("--limit", type=int, default=0, help="only the first N architectures")
     ap.add_argument("--timeout", type=int, default=60, help="seconds per architecture")
-    ap.add_argument("--progress", default=str(ROOT / "docs" / "models_sweep.progress.jsonl"),
-                    help="JSON-lines progress file (resumed if present)")
-    ap.add_argument("--fresh", action="store_true", help="ignore an existing progress file")
+    ap.add_argument("--progress", default=None,
+                    help="JSON-lines progress file (default: a file under the temporary directory named after --name)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows already in the progress file (default: start afresh, so that rows from an "
+                         "older engine are never mixed in)")
     ap.add_argument("--batch", type=int, default=B, help="samples per batch (default 3)")
     ap.add_argument("--seq", type=int, default=T, help="tokens per sample (default 7; --batch 7 --seq 7: B == T)")
     ap.add_argument("--mode", default=MODE, help="clipping mode (default BK-MixOpt)")
@@ -531,8 +533,10 @@ def main(argv=None) -> int:
         items = [it for it in items if it[0] in want]
     if a.limit:
         items = items[: a.limit]
-    progress = Path(a.progress)
-    if a.fresh and progress.exists():
+    import tempfile
+
+    progress = Path(a.progress or Path(tempfile.gettempdir()) / f"hf_sweep_{a.name}.progress.jsonl")
+    if not a.resume and progress.exists():
         progress.unlink()
     rows = sweep(items, a.timeout, progress)
     for r in rows:
