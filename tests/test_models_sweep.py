@@ -18,29 +18,10 @@ pytest.importorskip("transformers")
 import hf_sweep  # noqa: E402
 
 # model type -> why it is silent on today's main (docs/models_sweep.md); strict xfail
-_TIED_BIAS = ("silent today: the LM head's decoder bias is tied to a parameter of the head module (a generic owner "
-              "whose forward reads it only through decoder.bias), so its gradient is counted twice; the bias's rel err "
-              "~0.97, the whole gradient's ~0.12-0.17 (tests/test_layout_fuzz.py::tie:bias reproduces it)")
-SILENT_TODAY = {
-    **{mt: _TIED_BIAS for mt in ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "encoder-decoder",
-                                 "ernie", "megatron-bert", "roberta", "roberta-prelayernorm", "roformer", "xlm-roberta",
-                                 "xlm-roberta-xl")},
-    "falcon": "silent today: FalconDecoderLayer does mlp_output += attention_output in place on dense_4h_to_h's "
-              "output; the engine's output-gradient hook never fires and mlp.dense_4h_to_h.weight is released as "
-              "exactly 0 (rel err 1; whole gradient 0.24; tests/test_layout_fuzz.py::inplace:add reproduces it)",
-}
+SILENT_TODAY: dict[str, str] = {}  # the 14 rows silent before (tied MLM bias, Falcon in place) are fixed
 
 # at B == T (7 samples of 7 tokens: docs/models_sweep_b_eq_t.md), silent today besides the tied-bias and Falcon rows
-_REL_BIAS = ("silent today at B == T: the relative-position bias embedding output (T, T, heads) has leading dimension "
-             "T == B and is taken as per-sample: relative_attention_bias.weight rel err 0.27-0.53")
-_DEC_POS = ("silent today at B == T: the learned positional embedding returns (T, d) with no batch dimension; with "
-            "T == B it is taken as per-sample (refused at B != T): embed_positions.weight rel err 0.01-0.12")
-SILENT_TODAY_B_EQ_T = {
-    **{mt: SILENT_TODAY[mt] for mt in ("camembert", "data2vec-text", "encoder-decoder", "falcon", "roberta",
-                                       "roberta-prelayernorm", "roformer", "xlm-roberta", "xlm-roberta-xl")},
-    **{mt: _REL_BIAS for mt in ("t5", "mt5", "switch_transformers")},
-    **{mt: _DEC_POS for mt in ("blenderbot", "blenderbot-small", "bigbird_pegasus")},
-}
+SILENT_TODAY_B_EQ_T: dict[str, str] = {}  # T5-family relative bias and BART-family positions: fixed
 
 OK = ("exact", "refused")
 SKIP = ("crash-in-model", "build-failed", "control-failed", "timeout")
