@@ -20,7 +20,7 @@ import hf_sweep  # noqa: E402
 # model type -> why it is silent on today's main (docs/models_sweep.md); strict xfail
 SILENT_TODAY: dict[str, str] = {}  # the 14 rows silent before (tied MLM bias, Falcon in place) are fixed
 
-# at B == T (7 samples of 7 tokens: docs/models_sweep_b_eq_t.md), silent today besides the tied-bias and Falcon rows
+# at B == T (7 samples of 7 tokens: docs/models_sweep_b_eq_t.md): model types still silent there (none)
 SILENT_TODAY_B_EQ_T: dict[str, str] = {}  # T5-family relative bias and BART-family positions: fixed
 
 OK = ("exact", "refused")
@@ -64,7 +64,7 @@ def _param(mt: str):
 @pytest.mark.parametrize("mt", [_param(m) for m in ("gpt2", "llama", "bert")])
 def test_sweep_smoke(mt):
     """Three architectures through the sweep: GPT-2 and Llama are exact; BERT (its causal-LM head, whose decoder bias
-    is tied to a parameter of a generic owner) is silent today."""
+    is also a parameter of the head module, once counted twice) must be exact or refused."""
     if mt not in ARCHS:
         pytest.skip(f"{mt} not in this transformers version")
     row = _run(mt)
@@ -77,8 +77,8 @@ def test_sweep_smoke(mt):
     pytest.param(m, marks=[pytest.mark.xfail(strict=True, reason=SILENT_TODAY_B_EQ_T[m])] if m in SILENT_TODAY_B_EQ_T
                  else [], id=m) for m in ("gpt2", "llama", "t5")])
 def test_sweep_smoke_batch_equals_seq(mt, monkeypatch):
-    """B == T (7 samples of 7 tokens): GPT-2 is refused today (its position ids (1, T) cannot be told from a batch) or
-    exact, Llama exact, T5 silent today (relative-position bias of shape (T, T, heads) taken as per-sample)."""
+    """B == T (7 samples of 7 tokens): GPT-2, Llama and T5 (whose relative-position bias of shape (T, T, heads) was once
+    taken as per-sample) must be exact or refused."""
     if mt not in ARCHS:
         pytest.skip(f"{mt} not in this transformers version")
     monkeypatch.setattr(hf_sweep, "B", 7)
