@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
             engine = PrivacyEngine(model, batch_size=w.batch, sample_size=100 * w.batch, noise_multiplier=1.0,
                                    accountant="rdp")
             engine.attach(opt)
-            engine._on_arrival = on_arrival
+            engine._capture.on_arrival = on_arrival
 
         def step() -> None:
             loss(forward(model, x), y).backward()

@@ -75,11 +75,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-from fastdp.bookkeeping import ClipConfig, _clipped_sums
+from fastdp.clipped_sums import ClipConfig, clipped_sums
 from fastdp.layers.base import autocast_state
+from fastdp.torch_api import TorchFunctionMode, tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +212,15 @@ class _Inert:
         self.e = engine
 
     def __enter__(self) -> None:
-        self.saved = (self.e._in_bookkeeping, self.e._probe_reference)
-        self.e._in_bookkeeping, self.e._probe_reference = True, True
+        cap = self.e._capture
+        self.saved = cap.probe.reference
+        cap.inert_depth += 1
+        cap.probe.reference = True
 
     def __exit__(self, *exc: Any) -> None:
-        self.e._in_bookkeeping, self.e._probe_reference = self.saved
+        cap = self.e._capture
+        cap.inert_depth -= 1
+        cap.probe.reference = self.saved
 
 
 # ---------------------------------------------------------------------------------------------- the probe
@@ -235,7 +238,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     """Run the probe if this call's signature is new (see the module docstring); raise :class:`StructureError` on
     a mismatch. Called by the engine's root forward pre-hook."""
     sig = signature(args, kwargs, B, model.training)
-    if sig in engine._probe_seen:
+    if sig in engine._capture.probe.seen:
         return
     t0 = time.perf_counter()
     flat = tree_flatten((args, kwargs))[0]
@@ -246,12 +249,12 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     # statistics) are put back, in place and as the same tensor objects
     buffers = [(m, n, b, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items()
                if isinstance(b, torch.Tensor)]
-    engine._probe_buffers = buffers
+    engine._capture.probe.buffers = buffers
     stats = engine.probe_stats
     findings: list[Finding] | None = None
     random_ops: set[str] = set()
-    engine._probing = True
-    engine._probe_broadcast, engine._probe_outside = [], []
+    engine._capture.probe.running = True
+    engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
     broadcast = engine_failed = False
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
@@ -263,17 +266,17 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                                "probe in eval mode", sorted(random_ops))
                 stats["eval_retries"] += 1
                 model.eval()
-                engine._probe_broadcast, engine._probe_outside = [], []
+                engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
                 with DeterministicDropout():
                     findings = _run(engine, model, args, kwargs, B)
-            broadcast = bool(engine._probe_broadcast)
-            engine_failed = bool(engine._probe_outside)  # the real pass raises the outside use itself
+            broadcast = bool(engine._capture.probe.broadcast)
+            engine_failed = bool(engine._capture.probe.outside)  # the real pass raises the outside use itself
             if findings and broadcast:
                 if _fallback(engine, model, args, kwargs, B):
                     findings = []
     finally:
-        engine._probing = False
-        engine._probe_broadcast, engine._probe_outside = [], []
+        engine._capture.probe.running = False
+        engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
         _restore_buffers(buffers)
         for m, flag in training:
             m.training = flag
@@ -284,8 +287,8 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
         return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
     if findings:
         raise StructureError(_message(engine, findings, B, sig, random_ops))
-    engine._probe_seen.add(sig)
-    stats["signatures"] = len(engine._probe_seen)
+    engine._capture.probe.seen.add(sig)
+    stats["signatures"] = len(engine._capture.probe.seen)
     logger.info("structure probe passed (batch %d, %d probe samples, %.3fs)", B, len(_probe_indices(B)),
                 time.perf_counter() - t0)
 
@@ -295,7 +298,7 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
     the model): stop expanding them by making an ancestor the generic owner of their parameters (the ancestor's
     per-sample replay differentiates only those; the forward is untouched), nearest first, and probe again. Returns
     whether some ancestor passed; otherwise the owners are restored."""
-    if engine._pending or any(m is model for _, m, _, _ in engine._hooked):
+    if engine._capture.pending or engine.plan.entry_of(model) is not None:
         return False  # pending records of the old owners / the root's pre-hooks already ran for this call
     name_of = {id(m): n for n, m in model.named_modules()}
     trainable = {id(p) for p in engine._trainable.values()}
@@ -304,7 +307,7 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
     owned: dict[str, list[str]] = {}
 
     def add_suspects() -> None:
-        for m in (*engine._probe_broadcast, *engine._probe_outside):
+        for m in (*engine._capture.probe.broadcast, *engine._capture.probe.outside):
             c = name_of.get(id(m))
             if c and c not in level:
                 owned[c] = [n for n, p in m.named_parameters() if id(p) in trainable]
@@ -321,7 +324,7 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
             extra.setdefault(anc, []).extend(f"{prefix}.{n}" for n in owned[c])
         engine._extra_owned = {k: tuple(dict.fromkeys(v)) for k, v in extra.items()}
         engine._rebuild_owners()
-        engine._probe_broadcast, engine._probe_outside = [], []
+        engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
         with DeterministicDropout():
             findings = _run(engine, model, args, kwargs, B)
         add_suspects()
@@ -331,7 +334,7 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
                            "or without batch dimension); their parameters are now replayed per sample by %s (exact, "
                            "slower)", culprits, sorted({level[c] or "<root>" for c in culprits}))
             if "" in engine._extra_owned:  # the root became an owner: its pre-hooks must run for this call too
-                for fn, with_kwargs in engine._root_hook_fns:
+                for fn, with_kwargs in engine._capture.root_hook_fns:
                     fn(model, args, kwargs) if with_kwargs else fn(model, args)
             return True
     engine._extra_owned = saved
@@ -346,7 +349,7 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     indices = _probe_indices(B)
     # a. engine pass
     try:
-        _restore_buffers(engine._probe_buffers)
+        _restore_buffers(engine._capture.probe.buffers)
         res = _engine_pass(engine, model, args, kwargs, B, params, indices)
     except (torch.OutOfMemoryError, MemoryError):
         raise  # not a finding about the structure: the caller halves the batch and retries (probed again)
@@ -364,7 +367,7 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     for i in indices:
         a_i, k_i = _slice(args, kwargs, B, i)
         try:
-            _restore_buffers(engine._probe_buffers)
+            _restore_buffers(engine._capture.probe.buffers)
             with _Inert(engine):
                 out_i = model(*a_i, **k_i)
                 leaves_i = tree_flatten(out_i)[0]
@@ -428,9 +431,9 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
     outputs; per-sample rows for ``indices`` and, by the engine's clipping mode, the sum weighted by random
     factors on ``indices`` (zero elsewhere). ``None`` if no output has a batch dimension."""
     gen = torch.Generator().manual_seed(_SEED)
-    saved_pending, saved_stats = engine._pending, {k: dict(v) for k, v in engine.generic_stats.items()}
-    saved_off = set(engine._expand_off)
-    engine._pending = []
+    saved_pending, saved_stats = engine._capture.pending, {k: dict(v) for k, v in engine.generic_stats.items()}
+    saved_off = set(engine._capture.expand_off)
+    engine._capture.pending = []
     records = []
     try:
         out = model(*args, **kwargs)
@@ -440,7 +443,7 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         ys = [leaves[j] for j in idx]
         cots = [torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=y.device, dtype=y.dtype)
                 for y in ys]
-        keep = [t for t in (*engine._anchors.values(), *params,
+        keep = [t for t in (*engine._capture.anchors.values(), *params,
                             *(x for x in tree_flatten((args, kwargs))[0]
                               if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf))]
         saved_grads = [(t, None if t.grad is None else t.grad.clone()) for t in keep]
@@ -449,26 +452,26 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         finally:
             for t, g in saved_grads:
                 t.grad = g
-        records = [r for r in engine._pending if r.reached]
+        records = [r for r in engine._capture.pending if r.reached]
     finally:
-        engine._pending = saved_pending
+        engine._capture.pending = saved_pending
         engine.generic_stats.clear()
         engine.generic_stats.update(saved_stats)
-        engine._expand_off.clear()
-        engine._expand_off.update(saved_off)
+        engine._capture.expand_off.clear()
+        engine._capture.expand_off.update(saved_off)
     w = torch.zeros(B, dtype=torch.float64)
     w[indices] = torch.rand(len(indices), generator=gen, dtype=torch.float64) + 0.5
     weights = {i: float(w[i]) for i in indices}
-    engine._in_bookkeeping = True
+    engine._capture.inert_depth += 1
     try:
-        rows = _rows(records, engine._param_of, params, indices)
-        cfg = ClipConfig(mode=engine.clipping_mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
+        rows = _rows(records, engine.plan.param_of, params, indices)
+        cfg = ClipConfig(mode=engine.clip_config.mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
                          thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
                          on_nonfinite="raise")
-        res = _clipped_sums(records, engine._param_of, cfg).sums if records else {}
+        res = clipped_sums(records, engine.plan.param_of, cfg).sums if records else {}
         total = [res.get(p) for p in params]
     finally:
-        engine._in_bookkeeping = False
+        engine._capture.inert_depth -= 1
         for r in records:
             r.ctx = None
     return [y.detach() for y in ys], idx, cots, rows, total, weights

@@ -344,7 +344,7 @@ def make_engine(
             **kw,
         )
     if not check_rate:
-        engine._sampling = UncheckedRate(engine.batch_size, engine.sample_size)
+        engine._release.sampling = UncheckedRate(engine.batch_size, engine.sample_size)
     return engine
 
 

@@ -370,12 +370,12 @@ def test_budget_state_recomputed_not_trusted():
     state["budget_verified"] = 10**9  # an old-format field: ignored
     engine = _fresh(**kw)
     engine.load_state_dict(state)
-    assert engine._budget_verified == engine._planned_steps == 10
+    assert engine._release.budget_verified == engine._release.planned_steps == 10
     # a history at another sigma is not covered by the calibration: every further step is checked
     state["accountant"]["history"] = [[0.5, 0.016, 3]]
     engine = _fresh(**kw)
     engine.load_state_dict(state)
-    assert engine._budget_verified == 0
+    assert engine._release.budget_verified == 0
 
 
 def test_version_1_checkpoint_loads_with_validation():

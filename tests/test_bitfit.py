@@ -150,7 +150,7 @@ def test_bias_only_layers_keep_no_activation():
     engine.attach(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
     (x, y), = _lm_data()
     out = model(x)
-    records = list(engine._pending)
+    records = list(engine._capture.pending)
     assert records and all(r.activation is None for r in records), [type(r.module).__name__ for r in records]
     assert all(not p.requires_grad for n, p in model.named_parameters() if not is_bias(n))
     ce_per_sample(out, y).mean().backward()

@@ -16,7 +16,7 @@ import torch
 from oracle import assert_grads_close, make_engine, mse_per_sample, oracle_release, trainable_names
 from torch import nn
 
-import fastdp.engine as engine_mod
+import fastdp.capture as capture_mod
 from fastdp import NonFiniteGradientError, PrivacyEngine
 from fastdp.layers import kind_for
 
@@ -116,11 +116,12 @@ def backward(model, x, y):
 
 
 def assert_clean(engine: PrivacyEngine, model: nn.Module, acc_state) -> None:
-    assert engine._pending == []
-    assert engine._summed == {}
-    assert not engine._callback_queued and not engine._backward_seen and engine._step_samples == 0
-    assert engine._detached_now == [] and engine._rng_stack == [] and engine._expand_stack == []
-    assert engine._forward_batch == [] and engine._forward_ids == []
+    assert engine._capture.pending == []
+    assert engine._release.summed == {}
+    assert not engine._capture.callback_queued
+    assert not engine._release.backward_seen and engine._release.step_samples == 0
+    assert engine._capture.calls == []  # no module call left open (detached parameters, RNG, expansions)
+    assert engine._capture.roots == []  # no forward call of the model left open
     assert all(p.requires_grad for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
     assert engine.steps == 0 and engine.accountant.state_dict() == acc_state
@@ -132,7 +133,7 @@ def retry_matches_oracle(model, engine, opt, x, y) -> None:
     opt.step()
     got = {n: p.grad for n, p in model.named_parameters()}
     assert_grads_close(got, want)
-    assert engine.steps == 1 and engine._pending == []
+    assert engine.steps == 1 and engine._capture.pending == []
 
 
 def inject_forward_user(model, engine, monkeypatch):
@@ -158,7 +159,7 @@ def inject_forward_hook(model, engine, monkeypatch):
 
 
 def inject_output_grad(model, engine, monkeypatch):
-    orig = engine_mod.instantiate_on_arrival
+    orig = capture_mod.instantiate_on_arrival
     calls = []
 
     def on_arrival(rec, mode):
@@ -167,7 +168,7 @@ def inject_output_grad(model, engine, monkeypatch):
             raise Injected("output-gradient hook")
         return orig(rec, mode)
 
-    monkeypatch.setattr(engine_mod, "instantiate_on_arrival", on_arrival)
+    monkeypatch.setattr(capture_mod, "instantiate_on_arrival", on_arrival)
 
 
 def inject_user_tensor_hook(model, engine, monkeypatch):
@@ -179,7 +180,7 @@ def inject_oom(model, engine, monkeypatch):
 
 
 def inject_bookkeeping(model, engine, monkeypatch):
-    orig = engine_mod.clipped_sums
+    orig = capture_mod.clipped_sums
     calls = []
 
     def clipped(*a, **k):
@@ -188,7 +189,7 @@ def inject_bookkeeping(model, engine, monkeypatch):
             raise Injected("bookkeeping")
         return orig(*a, **k)
 
-    monkeypatch.setattr(engine_mod, "clipped_sums", clipped)
+    monkeypatch.setattr(capture_mod, "clipped_sums", clipped)
 
 
 STAGES = {
@@ -257,19 +258,20 @@ def test_dropped_callback_without_notice_is_discarded_at_the_next_forward(monkey
     def queue_without_notice(on_end, on_dropped):
         torch.autograd.Variable._execution_engine.queue_callback(on_end)
 
-    monkeypatch.setattr(engine_mod.session, "queue_end_of_backward", queue_without_notice)
+    monkeypatch.setattr(capture_mod.session, "queue_end_of_backward", queue_without_notice)
     model, engine, opt = setup()
     acc = engine.accountant.state_dict()
     Boom.armed = torch.OutOfMemoryError("injected")
     with pytest.raises(torch.OutOfMemoryError):
         backward(model, *data(5, 1))
-    assert engine._callback_queued and any(r.reached for r in engine._pending)  # the wedge this guards against
+    # the wedge this guards against
+    assert engine._capture.callback_queued and any(r.reached for r in engine._capture.pending)
     x, y = data(3, 2)
     want = oracle(model, [(x, y)])
     with caplog.at_level(logging.WARNING, logger="fastdp.engine"):
         out = model(x)
     assert "discarded" in caplog.text
-    assert not engine._callback_queued and all(not r.reached for r in engine._pending)
+    assert not engine._capture.callback_queued and all(not r.reached for r in engine._capture.pending)
     mse_per_sample(out, y).mean().backward()
     assert engine.steps == 0 and engine.accountant.state_dict() == acc
     opt.step()
@@ -280,14 +282,14 @@ def test_dropped_callback_without_notice_is_discarded_at_the_step(monkeypatch):
     def queue_without_notice(on_end, on_dropped):
         torch.autograd.Variable._execution_engine.queue_callback(on_end)
 
-    monkeypatch.setattr(engine_mod.session, "queue_end_of_backward", queue_without_notice)
+    monkeypatch.setattr(capture_mod.session, "queue_end_of_backward", queue_without_notice)
     model, engine, opt = setup()
     Boom.armed = torch.OutOfMemoryError("injected")
     with pytest.raises(torch.OutOfMemoryError):
         backward(model, *data(5, 1))
     with pytest.raises(RuntimeError, match="without a backward pass"):
         opt.step()
-    assert not engine._callback_queued and engine._pending == [] and engine.steps == 0
+    assert not engine._capture.callback_queued and engine._capture.pending == [] and engine.steps == 0
 
 
 def test_backward_again_on_a_discarded_graph_is_refused():
@@ -299,7 +301,7 @@ def test_backward_again_on_a_discarded_graph_is_refused():
         loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="discarded"):
         loss.backward()
-    assert engine._pending == [] and engine._summed == {}
+    assert engine._capture.pending == [] and engine._release.summed == {}
     retry_matches_oracle(model, engine, opt, *data(3, 2))
 
 
@@ -327,8 +329,8 @@ def test_gradient_accumulation_second_pass_fails_only_that_pass_is_discarded():
     Boom.armed = torch.OutOfMemoryError("injected")
     with pytest.raises(torch.OutOfMemoryError):
         backward(model, *data(4, 2))
-    assert engine._pending == [] and engine._step_samples == 2
-    assert set(engine._summed) == set(engine._trainable.values())
+    assert engine._capture.pending == [] and engine._release.step_samples == 2
+    assert set(engine._release.summed) == set(engine._trainable.values())
     want = oracle(model, [b1, b2])
     backward(model, *b2)
     opt.step()
@@ -376,7 +378,7 @@ def test_detach_after_failed_forward_restores_everything():
         model(data(5, 1)[0])
     engine.detach()
     assert all(p.requires_grad for p in model.parameters())
-    assert engine._pending == [] and not engine._callback_queued
+    assert engine._capture.pending == [] and not engine._capture.callback_queued
 
 
 # --------------------------------------------------------------------------- other optimizers (GAN)
@@ -410,7 +412,7 @@ def test_generator_step_after_unpaused_pass_through_private_model_is_refused():
     with pytest.raises(RuntimeError, match=r"SGD.*not attached.*engine.paused\(\)"):
         opt_g.step()
     assert torch.equal(gen.lin.weight, g_before)  # refused before the update
-    assert engine._summed == {} and not engine._backward_seen and engine.steps == 0
+    assert engine._release.summed == {} and not engine._release.backward_seen and engine.steps == 0
     # the generator's pass is not folded into the next private step
     x, y = data(3, 2)
     retry_matches_oracle(disc, engine, opt_d, x, y)
@@ -496,7 +498,7 @@ def test_second_optimizer_on_frozen_parameters_of_the_same_model_is_refused():
     with pytest.raises(RuntimeError, match="not attached"):
         backward(model, *data(3, 1))
         opt2.step()
-    assert engine.steps == 0 and engine._summed == {}
+    assert engine.steps == 0 and engine._release.summed == {}
 
 
 def test_detach_removes_the_other_optimizer_check():

@@ -94,7 +94,7 @@ def test_vit_bf16_autocast_matches_replay():
         model = vit(11).float()
         engine = make_engine(model, batch_size=4, R=0.1, mode="BK-MixOpt")
         if force_replay:
-            engine._expand_off.add(id(model))
+            engine._capture.expand_off.add(id(model))
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         engine.attach(opt)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -202,7 +202,7 @@ def test_invalid_uses_fall_back_exactly(name, replays):
                               verify_structure=False)  # replays counted: without the structure probe's
     assert _stats(engine) == {"expanded": 0, "replayed": 2}
     assert replays["n"] == 2
-    assert id(engine.model) in engine._expand_off  # sticky: not tried again
+    assert id(engine.model) in engine._capture.expand_off  # sticky: not tried again
 
 
 def test_batch_of_one_needs_no_verification(replays):
@@ -313,4 +313,4 @@ def test_forward_raising_restores_parameter():
         model(torch.randn(3, N, DM, dtype=D))
     assert model._parameters["P"] is P and P.requires_grad
     assert torch._C._len_torch_function_stack() == 0
-    assert engine._expand_stack == []
+    assert engine._capture.calls == []

@@ -363,7 +363,7 @@ def test_spectral_norm_train_mode_iterates_once_per_forward():
 def test_parametrized_module_is_the_owner():
     model = _parametrized("weight_norm")
     engine = make_engine(model, batch_size=2)
-    owned = {name: sorted(names) for name, _, _, names in engine._hooked}
+    owned = {e.name: sorted(e.names) for e in engine.plan.entries}
     assert owned["0"] == ["bias", "parametrizations.weight.original0", "parametrizations.weight.original1"]
     assert "0.parametrizations.weight" not in owned
     assert parametrize.is_parametrized(model[0])
@@ -456,7 +456,7 @@ def test_disagreeing_inputs_are_refused():
     engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(AmbiguousBatchError, match=r"shapes \[\(3, 5\), \(4, 5\)\]"):
         model(torch.randn(3, 5, dtype=D), torch.randn(4, 5, dtype=D))
-    assert engine._forward_batch == []  # the refused call left no state behind
+    assert engine._capture.roots == []  # the refused call left no state behind
 
 
 # --------------------------------------------------------------------------- 5. RNN classifiers on the final state
@@ -597,7 +597,7 @@ def test_reentrant_checkpoint_is_refused():
     with pytest.raises(RuntimeError, match=r"module 'a' \(Linear\) with trainable parameters \['a.weight', 'a.bias'\]"
                                            r".*use_reentrant=True.*use_reentrant=False"):
         model(x)
-    assert engine._forward_batch == [] and engine._grad_at_root == [] and engine._detached_now == []
+    assert engine._capture.roots == [] and engine._capture.calls == []
     with torch.no_grad():  # evaluation without autograd is not refused
         model(x)
 

@@ -1,4 +1,4 @@
-"""Instantiation on arrival (fastdp.bookkeeping.instantiate_on_arrival), the default mode's memory/time refinement.
+"""Instantiation on arrival (fastdp.norms.instantiate_on_arrival), the default mode's memory/time refinement.
 
 When no trainable parameter of a layer call gets the ghost norm, the default mode computes its per-sample gradients
 as the output gradient arrives and drops the kept input and output gradient. These tests check that the path is
@@ -14,8 +14,10 @@ import torch
 from oracle import assert_grads_close, ce_per_sample, oracle_release, run_engine_once
 from torch import nn
 
-import fastdp.engine as engine_mod
-from fastdp import bookkeeping
+from fastdp import capture as capture_mod
+from fastdp import clipped_sums, norms
+from fastdp.layers import kind_for
+from fastdp.modes import get_mode
 
 MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
 
@@ -43,14 +45,14 @@ class Seq(nn.Module):
 def arrivals(monkeypatch):
     """Count the calls of instantiate_on_arrival that instantiated (True) and that did not (False)."""
     counts = {True: 0, False: 0}
-    real = bookkeeping.instantiate_on_arrival
+    real = norms.instantiate_on_arrival
 
     def counting(rec, mode):
         done = real(rec, mode)
         counts[done] += 1
         return done
 
-    monkeypatch.setattr(engine_mod, "instantiate_on_arrival", counting)
+    monkeypatch.setattr(capture_mod, "instantiate_on_arrival", counting)
     return counts
 
 
@@ -99,18 +101,18 @@ def test_short_sequences_keep_the_ghost_norm(arrivals):
 
 def test_cost_model_of_the_default_mode():
     lin = nn.Linear(8, 8)
-    kind = engine_mod.kind_for(lin)
+    kind = kind_for(lin)
     a16, g16 = torch.zeros(2, 1, 16, 8), torch.zeros(2, 1, 16, 8)  # T 16: 64 <= 256: instantiate
     a2, g2 = torch.zeros(2, 1, 2, 8), torch.zeros(2, 1, 2, 8)  # T 2: 2*4 < 64 and 64 > 32: ghost
-    assert not bookkeeping.use_ghost(kind, lin, (a16, g16), "weight", "BK-MixOpt")
-    assert bookkeeping.use_ghost(kind, lin, (a2, g2), "weight", "BK-MixOpt")
+    assert not norms.use_ghost(kind, lin, (a16, g16), "weight", get_mode("BK-MixOpt"))
+    assert norms.use_ghost(kind, lin, (a2, g2), "weight", get_mode("BK-MixOpt"))
     # BK-MixGhostClip keeps the paper's rule only (2 T^2 < p d), and the ghost modes always use the ghost norm
     a5, g5 = torch.zeros(2, 1, 5, 8), torch.zeros(2, 1, 5, 8)  # T 5: 50 < 64 (ghost by 2T^2), 64 <= 80 (fits)
-    assert bookkeeping.use_ghost(kind, lin, (a5, g5), "weight", "BK-MixGhostClip")
-    assert not bookkeeping.use_ghost(kind, lin, (a5, g5), "weight", "BK-MixOpt")
-    assert bookkeeping.use_ghost(kind, lin, (a16, g16), "weight", "BK-ghost")
-    assert not bookkeeping.use_ghost(kind, lin, (a2, g2), "weight", "instantiate")
-    assert not bookkeeping.use_ghost(kind, lin, (a2, g2), "bias", "BK-MixOpt")
+    assert norms.use_ghost(kind, lin, (a5, g5), "weight", get_mode("BK-MixGhostClip"))
+    assert not norms.use_ghost(kind, lin, (a5, g5), "weight", get_mode("BK-MixOpt"))
+    assert norms.use_ghost(kind, lin, (a16, g16), "weight", get_mode("BK-ghost"))
+    assert not norms.use_ghost(kind, lin, (a2, g2), "weight", get_mode("instantiate"))
+    assert not norms.use_ghost(kind, lin, (a2, g2), "bias", get_mode("BK-MixOpt"))
 
 
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "instantiate"])
@@ -154,7 +156,7 @@ def test_nonfinite_sample_raises_by_default(arrivals):
     model = _model(6, 6)
     x, y = _data(4, 12, 6)
     x[1, 0, 0] = float("inf")
-    with pytest.raises(bookkeeping.NonFiniteGradientError, match=r"\[1\]"):
+    with pytest.raises(clipped_sums.NonFiniteGradientError, match=r"\[1\]"):
         run_engine_once(model, ce_per_sample, [(x, y)], batch_size=4, R=0.05, fn="abadi", style="all-layer",
                         mode="BK-MixOpt", reduction="mean", verify_structure=False)
 

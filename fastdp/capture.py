@@ -1,0 +1,415 @@
+"""Capture: the forward and backward hooks that fill the records of each call of a hooked module.
+
+Second stage of the data flow (plan -> **capture** -> per-sample norms -> clipping factors -> clipped sums ->
+noise -> optimizer). From the :class:`fastdp.plan.Plan`, :class:`Capture` installs on the model:
+
+* a forward pre-hook on the root: the batch size of the call (the leading size its tensor inputs agree on), the
+  call's :class:`RootFrame`, and the structure probe for a new input signature (:mod:`fastdp.probe`);
+* per hooked module, a pre-hook that turns off ``requires_grad`` of its trainable parameters for the duration of its
+  own call (*ghost differentiation*: autograd never computes their non-private gradients) and pushes a
+  :class:`CallFrame`; and a forward hook that keeps the input (a layer kind) or the call (a generic owner,
+  :mod:`fastdp.capture_generic`), makes a :class:`fastdp.records.Record`, and hooks the outputs;
+* tensor hooks on the outputs that store the output gradients, and queue the end of the backward pass
+  (:mod:`fastdp.session`), where the records reached go to the clipping stage
+  (:func:`fastdp.clipped_sums.clipped_sums`) and the sums to the step's accumulator (:class:`fastdp.release.StepSums`).
+
+It may touch: the model's hooks, ``requires_grad`` of trainable parameters inside a hooked call, and its own state.
+It never writes ``.grad`` (that is the release stage's). After a failed forward or backward pass the records of the
+failed calls are discarded (``drop_forwards``) and the next outermost forward call starts clean (``recover``).
+While the clipping stage replays modules (GhostClip, the generic path) or the probe runs its reference passes, the
+hooks are inert (``inert``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdp import capture_generic, hf_guard, probe, session
+from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
+from fastdp.layers import batchdim, checkpointing, expand, generic
+from fastdp.layers.base import LayerKind, autocast_state
+from fastdp.norms import instantiate_on_arrival
+from fastdp.plan import Plan, PlanEntry
+from fastdp.records import Record
+from fastdp.torch_api import is_batchnorm, set_requires_grad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RootFrame:
+    """One forward call of the model in progress (calls nest: the probe's passes run inside one)."""
+
+    fid: int  # the engine's id of the call (records carry it)
+    handled: BaseException | None  # the exception being handled when the call started (to see whether it raised)
+    grad_enabled: bool
+    batch: int | None = None
+
+
+@dataclass
+class CallFrame:
+    """One call of a hooked module in progress: what its pre-hook detached, and for a generic owner the random
+    generators' state at the call's start and its verified expansion (``None``: the call is replayed)."""
+
+    detached: list[nn.Parameter] = field(default_factory=list)
+    rng: Any = None
+    expansion: expand.ExpandedCall | None = None
+
+
+@dataclass
+class ProbeState:
+    """The structure probe's state (see :mod:`fastdp.probe`)."""
+
+    running: bool = False  # the probe's engine pass is running
+    reference: bool = False  # its plain / batch-of-one passes: every hook inert
+    seen: set[Any] = field(default_factory=set)  # input signatures verified
+    buffers: list[Any] = field(default_factory=list)  # the model's buffers at the probe's start
+    broadcast: list[nn.Module] = field(default_factory=list)  # modules whose broadcast output the pass expanded
+    outside: list[nn.Module] = field(default_factory=list)  # modules whose parameters were used outside them
+    stats: dict[str, Any] = field(default_factory=lambda: {"probes": 0, "signatures": 0, "seconds": 0.0,
+                                                           "eval_retries": 0})
+
+
+class Capture:
+    """The capture stage of one engine (see the module docstring).
+
+    Args:
+        engine: the owning :class:`fastdp.PrivacyEngine` (read: ``plan``, ``clip_config``, ``clipping_mode``,
+            ``verify_structure``, ``loss_reduction``, ``model``; the probe's fallback calls its
+            ``_rebuild_owners``).
+        sink: where the clipped sums of each completed backward pass go (``add(result)``, ``step_number``).
+    """
+
+    def __init__(self, engine: Any, sink: Any) -> None:
+        self.engine = engine
+        self.sink = sink
+        self.pending: list[Record] = []  # records of forward calls whose backward pass has not completed
+        self.roots: list[RootFrame] = []
+        self.calls: list[CallFrame] = []
+        self.next_forward = 0
+        self.dead_forwards: set[int] = set()  # forward calls whose records were discarded after a failure
+        self.callback_queued = False
+        self.passes = 0  # backward passes that reached the hooks (the current one's number identifies it)
+        self.inert_depth = 0  # > 0: replays and the probe's reference passes run; every hook does nothing
+        self.paused = 0  # depth of `with engine.paused()`
+        self.anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.expand_off: set[int] = set()  # owners whose expansion failed verification once: always replayed
+        #: owner label -> {"expanded": calls, "replayed": calls} of the generic path
+        self.generic_stats: dict[str, dict[str, int]] = {}
+        self.on_arrival = True  # instantiation on arrival (fastdp.norms.instantiate_on_arrival); off: benchmarks
+        self.probe = ProbeState()
+        self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ install / remove
+    @property
+    def plan(self) -> Plan:
+        return self.engine.plan
+
+    @property
+    def inert(self) -> bool:
+        return self.inert_depth > 0
+
+    @contextlib.contextmanager
+    def inert_hooks(self) -> Iterator[None]:
+        """Every hook does nothing inside (replays of modules by the clipping stage, the probe's own passes)."""
+        self.inert_depth += 1
+        try:
+            yield
+        finally:
+            self.inert_depth -= 1
+
+    def install(self) -> None:
+        """Model hooks from the plan: batch size, ghost differentiation, capture, guards."""
+        hooks = self._handles = []
+        root = self.engine.model
+        capture_all = self.engine.clip_config.mode.capture_all
+        self.root_hook_fns = []
+        for entry in self.plan.entries:
+            module = entry.module
+            params = [self.plan.param_of[(id(module), n)] for n in sorted(entry.names)]
+            # prepended: it runs before the module's own pre-hooks (legacy weight_norm and prune compute the weight
+            # from the trainable originals there)
+            if entry.generic:
+                pre = partial(capture_generic.generic_pre, self, params=params,
+                              expand=capture_generic.expandable(entry, self.plan))
+                hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                hook = partial(capture_generic.generic_hook, self, names=entry.names, label=entry.label)
+            else:
+                pre = partial(self._layer_pre, params=params)
+                hooks.append(module.register_forward_pre_hook(pre, prepend=True))
+                needs_act = capture_all or entry.kind.needs_activation(module, entry.names)
+                hook = partial(self._layer_hook, kind=entry.kind, names=entry.names, needs_act=needs_act)
+            if module is root:
+                self.root_hook_fns.append((pre, entry.generic))
+            hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
+        # prepended after the modules' pre-hooks, so it runs first of all: the call's batch size and forward id
+        hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True))
+        for name, p in self.plan.trainable.items():
+            # Fires only if autograd computes a gradient for p, i.e. p was used outside its module's forward.
+            hooks.append(p.register_hook(partial(self._outside_use, name)))
+        for mname, module in root.named_modules():
+            if is_batchnorm(module):
+                hooks.append(module.register_forward_pre_hook(partial(_batchnorm_guard, mname)))
+        # Hugging Face models called with labels=: their internal loss mixes samples (fastdp.hf_guard)
+        hooks.extend(hf_guard.install(root, self.engine.loss_reduction))
+        # registered last, so it runs after every other forward hook of the root
+        hooks.append(root.register_forward_hook(self._root_post, always_call=True))
+
+    def remove(self) -> None:
+        """Remove the model hooks and restore ``requires_grad`` of a call left open."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.restore_params()
+
+    def clear(self) -> None:
+        """Forget everything of passes in progress (``detach``)."""
+        self.restore_params()
+        self.pending.clear()
+        self.anchors.clear()
+        self.callback_queued = False
+        self.roots.clear()
+
+    # ------------------------------------------------------------------ frames
+    def anchor(self, like: torch.Tensor) -> torch.Tensor:
+        """A zero scalar that requires grad, added to an output that does not, so the backward pass reaches it."""
+        key = (like.dtype, like.device)
+        if key not in self.anchors:
+            self.anchors[key] = torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
+        return self.anchors[key]
+
+    def detach_params(self, module: nn.Module, params: list[nn.Parameter]) -> CallFrame:
+        """Ghost differentiation: during this module's call its trainable parameters do not require grad, so the
+        graph has no edge to them and autograd never computes their (non-private) gradients. Pushes the call's
+        frame (always: the forward hook always pops it)."""
+        frame = CallFrame()
+        self.calls.append(frame)
+        if self.inert:
+            return frame
+        if (not torch.is_grad_enabled() and self.roots and self.roots[-1].grad_enabled
+                and checkpointing.in_reentrant_checkpoint()):
+            entry = self.plan.entry_of(module)
+            names = [n for n, p in self.plan.trainable.items() if any(p is q for q in params)]
+            raise RuntimeError(checkpointing.reentrant_message(entry.label if entry else "?",
+                                                               type(module).__name__, names))
+        for p in params:
+            if p.requires_grad:
+                set_requires_grad(p, False)
+                frame.detached.append(p)
+        return frame
+
+    def end_call(self) -> CallFrame | None:
+        """End of a hooked module's call: pop its frame, restore what its pre-hook detached (not its ancestors')."""
+        if not self.calls:
+            return None
+        frame = self.calls.pop()
+        for p in frame.detached:
+            set_requires_grad(p, True)
+        return frame
+
+    def restore_params(self) -> None:
+        """Close every open call frame (after a failure): ``requires_grad`` and expanded parameters restored."""
+        while self.calls:
+            frame = self.end_call()
+            if frame is not None and frame.expansion is not None:
+                frame.expansion.end(None)
+
+    def batch(self) -> int | None:
+        return self.roots[-1].batch if self.roots else None
+
+    def current_forward(self) -> int:
+        """The id of the model's forward call in progress (a fresh one for a submodule called on its own)."""
+        if self.roots:
+            return self.roots[-1].fid
+        self.next_forward += 1
+        return self.next_forward - 1
+
+    def idle(self) -> bool:
+        """Whether this call records nothing: inert, paused, or autograd off."""
+        return self.inert or bool(self.paused) or not torch.is_grad_enabled()
+
+    # ------------------------------------------------------------------ root hooks
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The batch size of this forward call of the model: the leading size its tensor inputs agree on
+        (:func:`fastdp.layers.batchdim.infer_batch_size`). An outermost call first discards what a failed forward
+        or backward pass left behind; a new input signature is verified by the structure probe
+        (:mod:`fastdp.probe`) before the call runs."""
+        if not self.roots:
+            self.recover()
+        frame = RootFrame(self.next_forward, sys.exc_info()[1], torch.is_grad_enabled())
+        self.next_forward += 1
+        self.roots.append(frame)  # popped by _root_post, which runs also when this pre-hook raises
+        frame.batch = B = batchdim.infer_batch_size(args, kwargs)
+        if (self.engine.verify_structure and B is not None and B >= 1 and not self.probe.running
+                and not self.inert and torch.is_grad_enabled() and len(self.roots) == 1 and not self.paused):
+            probe.maybe_probe(self.engine, module, args, kwargs, B)
+
+    def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""
+        if not self.roots:
+            return
+        frame = self.roots.pop()
+        if sys.exc_info()[1] is not frame.handled:  # called from Module.__call__'s `except`: the forward raised
+            self.drop_forwards({frame.fid}, f"the model's forward call raised {type(sys.exc_info()[1]).__name__}")
+            if not self.roots:
+                self.reset_call_stacks()
+
+    def _outside_use(self, name: str, grad: torch.Tensor) -> None:
+        if self.probe.reference:  # the structure probe's reference passes differentiate the parameters
+            return
+        if self.probe.running:  # the probe's engine pass: a suspect for its fallback (fastdp.probe); it restores .grad
+            self.probe.outside.append(self.engine.model.get_submodule(name.rpartition(".")[0]))
+            return
+        raise RuntimeError(
+            f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "
+            "(e.g. a weight read directly by another module, as in weight tying through F.linear). fastdp cannot "
+            "clip that use per sample. Tie weights through modules (assign the same nn.Parameter to both), or "
+            "freeze the parameter.")
+
+    # ------------------------------------------------------------------ layer kinds
+    def _layer_pre(self, module: nn.Module, args: tuple[Any, ...], *, params: list[nn.Parameter]) -> None:
+        self.detach_params(module, params)
+
+    def hook_output(self, out: torch.Tensor, rec: Record, k: int) -> torch.Tensor:
+        """Register the output-gradient hook of output ``k`` of ``rec``'s call (an anchor added if needed)."""
+        if not out.requires_grad:
+            # Nothing upstream requires grad (first layer; weights are detached by ghost differentiation):
+            # add a zero that does, so the backward pass reaches this output.
+            out = out + self.anchor(out)
+        out.register_hook(partial(self.on_output_grad, rec, k))
+        return out
+
+    def _layer_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *,
+                    kind: LayerKind, names: frozenset[str], needs_act: bool) -> Any:
+        self.end_call()  # always called, also when forward raised
+        if self.idle() or not isinstance(output, torch.Tensor):
+            return None
+        B = self.batch()
+        out = output
+        broadcast = B is not None and generic.is_broadcast(out, B)
+        if broadcast:
+            if self.probe.running:
+                self.probe.broadcast.append(module)
+            # One output for the whole batch (input with batch dimension 1, e.g. HF position ids (1, T)): expand
+            # it, so the gradient arrives per sample instead of summed over the batch.
+            out = out.expand(B, *out.shape[1:])
+        activation = None
+        if needs_act:
+            inputs = args if args else tuple(kwargs.values())
+            activation = kind.capture(module, inputs)
+            if broadcast and activation.dim() >= 1 and activation.shape[0] == 1:
+                activation = activation.expand(B, *activation.shape[1:])
+        rec = Record(module=module, kind=kind, names=names, activation=activation, autocast=autocast_state(),
+                     forward=self.current_forward())
+        out = self.hook_output(out, rec, 0)
+        self.pending.append(rec)
+        return out if out is not output else None
+
+    # ------------------------------------------------------------------ backward
+    def on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:
+        if not self.callback_queued and not self.probe.running:  # first, so that a failure below is discarded with
+            # the rest of the pass (the structure probe runs its own clipping)
+            self.callback_queued = True
+            self.passes += 1
+            session.queue_end_of_backward(self._on_backward_end, partial(self.on_backward_dropped, self.passes))
+        if rec.forward in self.dead_forwards:
+            raise RuntimeError(
+                f"a backward pass reached {type(rec.module).__name__} through a forward call whose records the "
+                "engine discarded after a failed forward or backward pass (nothing of it can be released). Run "
+                "the forward pass again and call backward on its new output.")
+        if rec.grads[k] is not None or rec.psg is not None:
+            raise RuntimeError(
+                f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
+                "sample may contribute once per logical step. Do not call backward twice on one graph "
+                "(retain_graph=True) under a PrivacyEngine.")
+        grad = grad.detach()
+        if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
+            grad = rec.kind.reduce_without_activation(rec.module, grad)
+        rec.grads[k] = grad
+        if rec.activation is not None and self.on_arrival and id(rec.module) not in self.plan.tied_modules:
+            instantiate_on_arrival(rec, self.engine.clip_config.mode)  # frees the kept tensors where cheaper
+
+    def _on_backward_end(self) -> None:
+        self.callback_queued = False
+        done = [r for r in self.pending if r.reached]
+        self.pending = [r for r in self.pending if not r.reached]
+        cfg: ClipConfig = self.engine.clip_config
+        try:
+            with self.inert_hooks():  # GhostClip's and the generic path's replays call the modules again
+                result = clipped_sums(done, self.plan.param_of, cfg)
+        except BaseException as e:
+            self.pending.extend(done)
+            self.drop_forwards({r.forward for r in done}, f"the end-of-backward clipping raised {type(e).__name__}")
+            if isinstance(e, NonFiniteGradientError):
+                raise NonFiniteGradientError(f"step {self.sink.step_number}: {e}") from None
+            raise
+        self.plan.last_norms.update(result.norms)
+        self.sink.add(result)
+
+    # ------------------------------------------------------------------ failures
+    def on_backward_dropped(self, number: int | None = None) -> None:
+        """The backward pass ``number`` (``None``: the current one) raised before it completed: discard every record
+        it reached, with the other records of the same forward calls (nothing of the pass is summed, released or
+        accounted). A late notice (autograd may release the callback on another thread, after the next pass began,
+        or after :meth:`recover` handled it) is ignored."""
+        if not self.callback_queued or (number is not None and number != self.passes):
+            return
+        self.callback_queued = False
+        self.drop_forwards({r.forward for r in self.pending if r.reached},
+                           "the backward pass raised before it completed")
+
+    def drop_forwards(self, fids: set[int], why: str) -> None:
+        """Discard the pending records of the forward calls ``fids`` (and free what they keep); a later backward
+        pass through those calls' outputs raises."""
+        if not fids:
+            return
+        drop = [r for r in self.pending if r.forward in fids]
+        self.pending = [r for r in self.pending if r.forward not in fids]
+        self.dead_forwards |= fids
+        for r in drop:
+            r.activation, r.psg = None, None
+            r.grads[:] = [None] * len(r.grads)
+        mods = sorted({type(r.module).__name__ for r in drop})
+        logger.warning("%s: discarded %d record(s) of %d forward call(s) (modules %s); nothing of them is released "
+                       "or accounted, the next step holds only the passes that completed", why, len(drop), len(fids),
+                       mods[:8])
+
+    def reset_call_stacks(self) -> None:
+        """Restore ``requires_grad`` and close the open call frames (after a forward call that raised)."""
+        if self.calls:
+            logger.warning("a failed forward pass left %d module call(s) open; requires_grad restored",
+                           len(self.calls))
+        self.restore_params()
+
+    def recover(self) -> None:
+        """Outside any forward call: discard a backward pass whose end never came (fallback of
+        :meth:`on_backward_dropped`) and the frames of a forward call that never ended."""
+        if session.in_backward():
+            return
+        if self.callback_queued:
+            self.on_backward_dropped()
+        self.reset_call_stacks()
+        self.roots.clear()
+
+    def reached_forwards(self) -> set[int]:
+        """Forward ids of pending records that a backward pass reached (it has not completed)."""
+        return {r.forward for r in self.pending if r.reached}
+
+
+def _batchnorm_guard(mname: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+    if module.training and torch.is_grad_enabled():
+        raise RuntimeError(f"module {mname!r} ({type(module).__name__}) runs in train mode under a "
+                           "PrivacyEngine: batch statistics mix samples. Call .eval() on it.")
+
+
+__all__ = ["CallFrame", "Capture", "PlanEntry", "ProbeState", "RootFrame"]

@@ -1,0 +1,213 @@
+"""The clipped sum ``sum_i C_i g_i`` per parameter, once a backward pass is complete.
+
+Input: the *records* of one backward pass (:mod:`fastdp.records`). Output: ``sum_i C_i g_i`` per trainable
+parameter, where ``g_i`` is sample ``i``'s gradient of its own loss and ``C_i`` its clipping factor for the
+parameter's group. The three steps of the clipping stage (Bu et al. 2023, "book-keeping"; Li et al. 2021, "ghost
+clipping"):
+
+1. per-sample squared norms per parameter (:mod:`fastdp.norms`);
+2. per clipping group ``k``: ``n_ik = sqrt(sum over the group's parameters of ||g_i||^2)`` and
+   ``C_ik = clip_fn(n_ik, R_k)`` (:mod:`fastdp.clipping`);
+3. per parameter: ``sum_i C_ik g_i`` -- from kept per-sample gradients (``einsum``), from one contraction of
+   activations and output gradients (book-keeping), or, in ``"ghost"`` mode, by a second, layer-local autograd
+   backward of ``sum_i C_i L_i`` (GhostClip).
+
+The captured gradients are those of the user's loss. With ``loss_reduction="mean"`` that loss is
+``(1/B) sum_i L_i``, so every captured gradient is ``1/B`` times the per-sample one: norms are multiplied by ``B``
+and so are the factors applied to the captured tensors. Sums go to the release stage (:mod:`fastdp.release`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fastdp.clipping import ClipFn
+from fastdp.layers.base import accumulation_dtype, replay_autocast
+from fastdp.modes import ClippingMode
+from fastdp.norms import batch_size_of, norm_sq, per_sample_grad, shared_norm_sq, use_ghost
+from fastdp.records import Record
+
+
+@dataclass
+class ClipConfig:
+    """What :func:`clipped_sums` needs besides the records."""
+
+    mode: ClippingMode
+    clip_fn: ClipFn
+    thresholds: Sequence[float]  # R_k per group
+    group_of: dict[nn.Parameter, int]  # parameter -> group index
+    mean_reduction: bool
+    on_nonfinite: str = "raise"  # "raise" or "zero" (clipping factor 0 for samples with non-finite gradients)
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Some sample's per-sample gradient contains NaN or infinity."""
+
+
+@dataclass
+class BackwardResult:
+    """What one backward pass contributes: ``sum_i C_i g_i`` per parameter, the number of samples, and how many of
+    them had non-finite gradients (given clipping factor 0 under ``on_nonfinite="zero"``)."""
+
+    sums: dict[nn.Parameter, torch.Tensor]
+    batch_size: int
+    nonfinite: int = 0
+    #: id(parameter) -> how its per-sample norm was computed ("ghost", "instantiated", "generic"; "shared" added
+    #: for a parameter with several uses), for :meth:`fastdp.plan.Plan.describe`
+    norms: dict[int, str] = field(default_factory=dict)
+
+
+def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("b,b...->...", coef.to(psg.dtype), psg)
+
+
+def _add(out: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, value: torch.Tensor) -> None:
+    out[param] = out[param] + value if param in out else value
+
+
+def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GhostClip's second backward, layer-local: gradients of ``sum_i coef_i <G_i, out_i>`` w.r.t. ``names``."""
+    module = rec.module
+    with torch.enable_grad(), replay_autocast(rec.autocast):
+        leaves = {n: getattr(module, n).detach().requires_grad_(True) for n in names}
+        out = functional_call(module, leaves, (rec.activation,))
+        g = rec.grad_output
+        weights = g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+        grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=weights)
+    return dict(zip(names, grads, strict=True))
+
+
+def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
+                 cfg: ClipConfig) -> BackwardResult:
+    """``sum_i C_i g_i`` per parameter for one backward pass (see the module docstring).
+
+    Args:
+        records: the calls whose output gradients arrived in this backward pass.
+        param_of: ``(id(module), attribute name) -> parameter``.
+        cfg: clipping mode, function, per-group thresholds and groups, loss reduction, non-finite policy.
+
+    Returns:
+        the clipped sums (parameter -> tensor of ``param.shape``, in at least float32) and the batch size.
+
+    Raises:
+        NonFiniteGradientError: a sample's gradient has NaN/inf and ``cfg.on_nonfinite == "raise"``.
+    """
+    if not records:
+        return BackwardResult({}, 0)
+    try:
+        return _clipped_sums(records, param_of, cfg)
+    finally:
+        for rec in records:
+            rec.ctx = None
+
+
+def _sanitize(rec: Record, bad: torch.Tensor) -> None:
+    """Zero sample rows flagged ``bad`` in a record (its captured tensors, or a generic kind's gradients)."""
+    def zero_rows(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != len(bad):
+            return t
+        return torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype), t)
+
+    if not rec.kind.replayable:  # generic: its context holds the per-sample gradients
+        rec.ctx = {n: zero_rows(g) for n, g in rec.ctx.items()}
+        return
+    if rec.psg is not None:  # instantiated on arrival
+        rec.psg = {n: zero_rows(g) for n, g in rec.psg.items()}
+        return
+    rec.grads = [zero_rows(g) for g in rec.grads]
+    rec.activation = zero_rows(rec.activation)
+    rec.ctx = None
+
+
+def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
+                  cfg: ClipConfig) -> BackwardResult:
+    B = batch_size_of(records)
+    scale = float(B) if cfg.mean_reduction else 1.0
+    mode = cfg.mode
+
+    uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
+    for rec in records:
+        if rec.ctx is None and rec.psg is None:
+            rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+        for name in sorted(rec.names):
+            uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
+
+    sq_of: dict[nn.Parameter, torch.Tensor] = {}
+    kept: dict[nn.Parameter, torch.Tensor] = {}  # instantiated per-sample gradients kept for step 3
+    how: dict[int, str] = {}
+    for param, plist in uses.items():
+        if len(plist) > 1:  # shared parameter: norm of the per-sample sum over uses
+            sq = shared_norm_sq(plist, mode)
+            if sq is not None:
+                sq_of[param] = sq
+                how[id(param)] = "ghost (shared)"
+                continue
+            total = sum(per_sample_grad(r, n) for r, n in plist)
+            sq_of[param] = norm_sq(total)
+            kept[param] = total
+            how[id(param)] = "instantiated (shared)"
+            continue
+        rec, name = plist[0]
+        kind, module = rec.kind, rec.module
+        if rec.psg is None and use_ghost(kind, module, rec.ctx, name, mode):
+            sq_of[param] = kind.ghost_norm_sq(module, rec.ctx, name)
+            how[id(param)] = "ghost"
+        else:
+            how[id(param)] = "instantiated" if kind.replayable else "generic"
+            psg = per_sample_grad(rec, name)
+            sq_of[param] = norm_sq(psg)
+            if mode.keeps_instantiated or not kind.replayable:
+                kept[param] = psg
+
+    # Step 2: per-group norms and factors.
+    group_sq: dict[int, torch.Tensor] = {}
+    for param, sq in sq_of.items():
+        k = cfg.group_of[param]
+        group_sq[k] = group_sq[k] + sq if k in group_sq else sq
+    if group_sq:
+        total_sq = sum(group_sq.values())
+        bad = ~torch.isfinite(total_sq)
+        if bool(bad.any()):
+            idx = bad.nonzero().flatten().tolist()
+            if cfg.on_nonfinite != "zero":
+                raise NonFiniteGradientError(
+                    f"the per-sample gradients of samples {idx[:10]}{'...' if len(idx) > 10 else ''} of this batch "
+                    "(positions in the physical batch) contain NaN or infinity. Nothing was released. Fix the "
+                    "model or data (e.g. a log of 0, an overflow in half precision), or build the engine with "
+                    "on_nonfinite='zero' to give such samples clipping factor 0 (still private).")
+            for rec in records:
+                _sanitize(rec, bad)
+            result = _clipped_sums(records, param_of, cfg)
+            return BackwardResult(result.sums, result.batch_size, len(idx), result.norms)
+    coefs: dict[int, torch.Tensor] = {}
+    for k, sq in group_sq.items():
+        norms = sq.clamp(min=0).sqrt() * scale
+        coefs[k] = cfg.clip_fn(norms, cfg.thresholds[k]) * scale
+
+    # Step 3: clipped sums.
+    out: dict[nn.Parameter, torch.Tensor] = {}
+    replay: dict[Record, list[str]] = {}
+    for param, plist in uses.items():
+        coef = coefs[cfg.group_of[param]]
+        if param in kept:
+            out[param] = _weighted_sum(coef, kept[param])
+        elif mode.sums == "replay":
+            for rec, name in plist:
+                replay.setdefault(rec, []).append(name)
+        else:  # book-keeping: one contraction per use, summed over uses
+            for rec, name in plist:
+                _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, coef))
+    for rec, names in replay.items():
+        by_group: dict[int, list[str]] = {}
+        for n in names:
+            by_group.setdefault(cfg.group_of[param_of[(id(rec.module), n)]], []).append(n)
+        for k, group_names in by_group.items():
+            for n, g in _replay_grads(rec, group_names, coefs[k]).items():
+                _add(out, param_of[(id(rec.module), n)], g)
+    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how)

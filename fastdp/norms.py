@@ -1,0 +1,115 @@
+"""Per-sample squared norms ``||g_i||^2`` of each parameter, from the records of one backward pass.
+
+Step 1 of the clipping stage (after capture, before the clipping factors): per parameter, by the ghost norm or by
+instantiating ``g_i``, as the clipping mode (:mod:`fastdp.modes`) and the layer kind's cost model decide. A parameter
+used by several calls (a module called twice, a weight tied into two modules) gets the norm of its per-sample *sum*
+over all uses: by Gram matrices of every pair of uses where that is cheaper, else from instantiated per-sample
+gradients. Also: instantiation on arrival (during the backward pass, to free the kept tensors early) and the check
+that every record of a pass saw the same batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdp.layers import _factored
+from fastdp.layers.base import LayerKind
+from fastdp.modes import ClippingMode
+from fastdp.records import Record
+
+
+def use_ghost(kind: LayerKind, module: nn.Module, ctx: Any, name: str, mode: ClippingMode) -> bool:
+    """Whether parameter ``name`` of a call gets its per-sample norm from the ghost norm (else by instantiation).
+
+    * ``"BK-ghost"``, ``"ghost"``: always, where the kind has a ghost norm; ``"instantiate"``: never.
+    * ``"BK-MixGhostClip"``: the paper's cost model, ghost when ``2 T^2 < p d`` (:meth:`LayerKind.prefers_ghost`).
+    * ``"BK-MixOpt"`` (default): the same, except that a per-sample gradient no larger than what book-keeping keeps
+      of the call anyway (``p d <= T (p + d)``, :meth:`LayerKind.instantiation_fits`) is instantiated: it is then
+      computed as the output gradient arrives and replaces the kept input and output gradient
+      (:func:`instantiate_on_arrival`), so it costs no memory, and it saves the ``T x T`` Gram matrices' time.
+    """
+    if name not in kind.ghost_names(module) or mode.norms == "never":
+        return False
+    if mode.norms == "always":
+        return True
+    if not kind.prefers_ghost(module, ctx, name):
+        return False
+    return not (mode.norms == "cost-fits" and kind.instantiation_fits(module, ctx, name))
+
+
+def instantiate_on_arrival(rec: Record, mode: ClippingMode) -> bool:
+    """When the output gradient of a layer-kind call arrives in the backward pass and none of its trainable
+    parameters gets the ghost norm (:func:`use_ghost`), compute their per-sample gradients now (``rec.psg``) and drop
+    the kept activation and output gradient, instead of holding both until the backward pass ends. Only in the
+    modes that use kept per-sample gradients for the clipped sum (``BK-MixOpt``, ``instantiate``). Exact: the same
+    per-sample gradients the end of the backward pass would compute. Returns whether it did."""
+    if (not mode.on_arrival or rec.psg is not None or rec.activation is None or len(rec.grads) != 1
+            or rec.grads[0] is None or not rec.kind.replayable):
+        return False
+    kind, module = rec.kind, rec.module
+    ctx = kind.prepare(module, rec.activation, rec.grad_output)
+    names = sorted(rec.names)
+    if any(use_ghost(kind, module, ctx, n, mode) for n in names):
+        return False
+    rec.batch = kind.batch_size(rec.activation, rec.grad_output)
+    rec.psg = {n: kind.per_sample_grad(module, ctx, n) for n in names}
+    rec.activation, rec.grads = None, [None]
+    return True
+
+
+def per_sample_grad(rec: Record, name: str) -> torch.Tensor:
+    return rec.psg[name] if rec.psg is not None else rec.kind.per_sample_grad(rec.module, rec.ctx, name)
+
+
+def batch_size_of(records: list[Record]) -> int:
+    sizes = {id(r): r.batch if r.psg is not None else r.kind.batch_size(r.activation, r.grad_output)
+             for r in records}
+    distinct = set(sizes.values())
+    if len(distinct) > 1:
+        detail = ", ".join(f"{type(r.module).__name__}: {sizes[id(r)]}" for r in records)
+        raise RuntimeError(
+            "hooked layers saw different batch sizes in one backward pass "
+            f"({detail}). fastdp needs the batch dimension first in every layer's input; an input without it "
+            "(shared by all samples) must have size 1 there (it is then broadcast). A layer whose input folds "
+            "the batch into another dimension (a leading size that is a multiple of the batch size, as in "
+            "x.reshape(-1, d) before a Linear: HF OPT's decoder layers do this), or has no batch dimension, cannot "
+            "be attributed to samples. Keep the batch dimension in the model's forward, or freeze those layers.")
+    return distinct.pop()
+
+
+def norm_sq(t: torch.Tensor) -> torch.Tensor:
+    """``||t_i||^2`` per sample of a ``(B, *shape)`` tensor (``shape`` may be empty: a scalar parameter)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).square().sum(dim=1)
+
+
+def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode) -> torch.Tensor | None:
+    """``||sum_u g_i^u||^2`` of a parameter used by several calls, by Gram matrices (``None``: instantiate).
+
+    ``sum_u ||g^u||^2 + 2 sum_{u<v} <g^u, g^v>``, every term in its ghost form (:mod:`fastdp.layers._factored`).
+    Chosen in the ghost modes and, in the mixed modes, when ``2 (sum_u T_u)^2 < g m n`` (the single-layer rule with
+    all uses' positions together).
+    """
+    if mode.norms == "never" or any(r.psg is not None for r, _ in plist):
+        return None
+    facs = [r.kind.factors(r.module, r.ctx, n) for r, n in plist]
+    if any(f is None for f in facs) or len({f.layout for f in facs}) != 1:
+        return None
+    g, m, n = facs[0].layout
+    positions = sum(f.positions for f in facs)
+    if mode.norms in ("cost", "cost-fits") and not 2 * positions * positions < g * m * n:
+        return None
+    dtype = next(t.dtype for f in facs for t in (f.left, f.right) if isinstance(t, torch.Tensor))
+    total = None
+    for u, (fu, (rec, name)) in enumerate(zip(facs, plist, strict=True)):
+        if name in rec.kind.ghost_names(rec.module):
+            term = rec.kind.ghost_norm_sq(rec.module, rec.ctx, name)
+        else:
+            term = _factored.inner(fu, fu, dtype)
+        for fv in facs[u + 1:]:
+            term = term + 2.0 * _factored.inner(fu, fv, dtype)
+        total = term if total is None else total + term
+    return total

@@ -1,0 +1,256 @@
+"""Release: the private step -- accumulated clipped sums, checks, noise, accounting, ``.grad`` for the optimizer.
+
+Last stages of the data flow (plan -> capture -> per-sample norms -> clipping factors -> clipped sums ->
+(all-reduce) -> **noise -> optimizer**). :class:`Release` owns
+
+* the step's accumulator: ``sum_i C_i g_i`` per parameter over every backward pass since the last step (virtual
+  batches), the number of samples they held, and the count of samples given factor 0 for non-finite gradients;
+* the step counters (``steps``, ``noiseless_steps``), the accountant, the current noise multiplier, the sample-rate
+  monitor (:mod:`fastdp.sampling_check`) and the budget look-ahead of ``enforce_budget``;
+* the optimizer's step pre-hook (:meth:`Release.pre_step`) that refuses a step that cannot be private (nothing
+  released, nothing accounted), then writes ``p.grad = (S + sigma R xi) / B`` (:mod:`fastdp.noise`, the one place
+  noise is drawn) and counts the step; and the global pre-hook that refuses another optimizer's step while the
+  engine holds gradients (:meth:`Release.other_step`).
+
+Distributed training adds its all-reduce in :meth:`Release.reduce_sums`, between the clipped sums and the noise.
+It may touch: ``.grad`` of the model's parameters in the optimizer's step pre-hook, and its own state.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fastdp import accounting
+from fastdp.clipped_sums import BackwardResult
+from fastdp.noise import noisy_mean, secure_noisy_mean
+from fastdp.sampling_check import SampleRateMonitor
+
+logger = logging.getLogger(__name__)
+
+#: optimizers some engine is attached to
+ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """The next step would take epsilon above the engine's ``target_epsilon`` (with ``enforce_budget=True``)."""
+
+
+class Release:
+    """The release stage of one engine (see the module docstring).
+
+    Args:
+        engine: the owning :class:`fastdp.PrivacyEngine` (read: its configuration, ``plan``, ``model``,
+            ``optimizer``, ``_capture``).
+        accountant: the accountant of this engine's steps.
+        sigma: the noise multiplier of the next step.
+        planned_steps: steps the calibration of sigma from ``target_epsilon`` covers (0 if none).
+    """
+
+    def __init__(self, engine: Any, accountant: Any, sigma: float, planned_steps: int) -> None:
+        self.engine = engine
+        self.accountant = accountant
+        self.sigma = sigma
+        self.planned_steps = planned_steps
+        self.steps = 0
+        # steps released with noise_multiplier=0: not in the accountant (epsilon is infinite once there is one);
+        # invariant: steps == accountant.steps + noiseless_steps
+        self.noiseless_steps = 0
+        self.budget_verified = planned_steps  # steps known to stay within target_epsilon
+        self.sampling = SampleRateMonitor(engine.batch_size, engine.sample_size)
+        self.summed: dict[nn.Parameter, torch.Tensor] = {}
+        self.step_samples = 0  # samples seen by the backward passes of the current logical step
+        self.backward_seen = False  # a backward pass reached the hooks since the last step
+        self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
+        self.empty_step = False  # an `engine.empty_step()` is running
+
+    # ------------------------------------------------------------------ accumulation
+    @property
+    def step_number(self) -> int:
+        """The number the next released step will have (1-based)."""
+        return self.steps + 1
+
+    def add(self, result: BackwardResult) -> None:
+        """Add one completed backward pass's clipped sums to this step's (called by the capture stage)."""
+        self.backward_seen = True
+        self.step_samples += result.batch_size
+        if result.nonfinite:
+            self.nonfinite_samples += result.nonfinite
+            logger.warning("step %d: %d sample(s) with non-finite gradients got clipping factor 0 (%d so far)",
+                           self.step_number, result.nonfinite, self.nonfinite_samples)
+        for p, s in result.sums.items():
+            acc = self.summed.get(p)
+            self.summed[p] = s if acc is None else acc + s
+
+    def holds_gradients(self) -> bool:
+        return bool(self.summed) or self.backward_seen
+
+    def discard(self) -> None:
+        """Drop the accumulated gradients of the step being refused (nothing is released)."""
+        self.summed.clear()
+        self.engine._capture.pending.clear()
+        self.backward_seen = False
+        self.step_samples = 0
+
+    def reduce_sums(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """The seam for distributed training: one process today, so the local sums are the step's sums."""
+        return sums
+
+    # ------------------------------------------------------------------ the step
+    def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The attached optimizer's step pre-hook: check, noise, account (see the module docstring)."""
+        eng = self.engine
+        # `args` starts with the optimizer itself (torch passes step's full positional arguments).
+        if len(args) > 1 or kwargs.get("closure") is not None:
+            raise RuntimeError("optimizer.step(closure) is not supported under a PrivacyEngine: call "
+                               "loss.backward() yourself, then optimizer.step()")
+        if not eng._capture.roots:
+            eng._capture.recover()
+        eng._check_optimizer(optimizer, allow_frozen=True)
+        self._check_trainable_unchanged()
+        if not self.backward_seen and not self.empty_step:
+            raise RuntimeError(
+                "optimizer.step() without a backward pass since the last step: nothing to release. Call "
+                "loss.backward() first. For an empty batch (normal under Poisson sampling) run the forward and "
+                "backward on it anyway (fastdp handles batch size 0), or call engine.empty_step().")
+        if self.accountant.steps + self.noiseless_steps != self.steps:
+            self.discard()
+            raise RuntimeError(
+                f"the accountant records {self.accountant.steps} noised steps but the engine released {self.steps} "
+                f"({self.noiseless_steps} without noise): its history was changed outside the engine. Nothing was "
+                "released; resume from a checkpoint (load_state_dict) or start a new engine.")
+        self._check_budget()
+        self._check_sample_rate()
+        eng._capture.pending.clear()  # forward calls that never got a backward pass
+        sums = self.reduce_sums(self.summed)
+        std = self.sigma * eng.max_grad_norm
+        for p in eng.plan.trainable.values():
+            if eng.secure_mode:
+                p.grad = secure_noisy_mean(p, sums.pop(p, None), std, eng.batch_size)
+            else:
+                p.grad = noisy_mean(p, sums.pop(p, None), std, eng.batch_size, eng.noise_generator)
+        trainable = {id(p) for p in eng.plan.trainable.values()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in trainable:
+                    p.grad = None  # frozen since attach (update_trainable): never updated
+        self.summed.clear()
+        self.steps += 1
+        if self.sigma > 0:
+            self.accountant.step(self.sigma, eng.sample_rate)
+        else:  # no noise: infinite epsilon, recorded so that steps == accountant.steps + noiseless_steps
+            self.noiseless_steps += 1
+        self.step_samples = 0
+        self.backward_seen = False
+
+    def _check_sample_rate(self) -> None:
+        """Test this step's logical batch size against the declared rate (:mod:`fastdp.sampling_check`); a
+        loader drawing more than declared is refused before anything is released."""
+        verdict = self.sampling.observe(self.step_samples)
+        for msg in verdict.warnings:
+            warnings.warn(msg, stacklevel=5)
+        if verdict.refuse is not None:
+            self.discard()
+            raise RuntimeError(f"step {self.step_number} refused: {verdict.refuse}")
+
+    def _check_budget(self) -> None:
+        eng = self.engine
+        if not eng.enforce_budget:
+            return
+        nxt = self.step_number
+        if self.sigma == 0 or self.noiseless_steps > 0:
+            raise PrivacyBudgetExceeded(
+                f"step {nxt} with noise_multiplier=0 (now or earlier) would take epsilon to inf > target_epsilon="
+                f"{eng.target_epsilon:g}; nothing was released. Set a positive noise multiplier.")
+        if nxt <= self.budget_verified:
+            return
+        trial = accounting.make_accountant(self.accountant.name)
+        trial.load_state_dict(self.accountant.state_dict())
+        trial.step(self.sigma, eng.sample_rate)
+        eps = float(trial.get_epsilon(eng.target_delta))
+        if eps > eng.target_epsilon:
+            raise PrivacyBudgetExceeded(
+                f"step {nxt} would take epsilon to {eps:.4g} > target_epsilon={eng.target_epsilon:g} "
+                f"(delta={eng.target_delta:g}, {self.accountant.name}); nothing was released. Stop training, or "
+                "build the engine with a larger budget.")
+        self.budget_verified = nxt
+
+    def _check_trainable_unchanged(self) -> None:
+        eng = self.engine
+        now = {n for n, p in eng.model.named_parameters() if p.requires_grad}
+        if now != set(eng.plan.trainable):
+            frozen = sorted(set(eng.plan.trainable) - now)
+            unfrozen = sorted(now - set(eng.plan.trainable))
+            self.discard()  # this step's sums belong to a stale trainable set: dropped (nothing is released)
+            raise RuntimeError(
+                "the model's trainable parameters changed since the engine read them "
+                f"(frozen: {frozen[:5]}{'...' if len(frozen) > 5 else ''}, "
+                f"unfrozen: {unfrozen[:5]}{'...' if len(unfrozen) > 5 else ''}); nothing was released and this "
+                "step's gradients were discarded. Call engine.update_trainable() after freezing or unfreezing "
+                "parameters, before the next backward pass.")
+
+    # ------------------------------------------------------------------ other optimizers
+    def other_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Global optimizer step pre-hook (installed by ``attach``): refuse a step of an optimizer that no
+        PrivacyEngine is attached to while this engine holds gradients from backward passes since its last step.
+
+        The engine cannot tell which optimizer a backward pass was for. A pass taken for another optimizer (a GAN's
+        generator loss through the private discriminator, a second optimizer on other parameters of the model)
+        reaches the engine's hooks like a private one; folded into the next private step, it would release two
+        batches under one accounted step. When another optimizer steps while the engine holds such gradients, at
+        least one of those passes was most likely for it, so the engine discards them all (nothing is released or
+        accounted) and raises: privacy first, and a warning would leave the private step silently short. Run the
+        other loss's forward under ``engine.paused()``, or step the private optimizer before any other one.
+        Optimizers attached to a PrivacyEngine are left to their own engine, and an optimizer that holds one of
+        this engine's trainable parameters is taken for a wrapper of the attached one (HF ``accelerate``'s
+        ``AcceleratedOptimizer`` steps itself, then the attached optimizer): it reads the ``.grad`` the engine
+        writes, and before the private step that is ``None``.
+        """
+        eng = self.engine
+        if optimizer is eng.optimizer or optimizer in ATTACHED:
+            return
+        trainable = {id(p) for p in eng.plan.trainable.values()}
+        if any(id(p) in trainable for g in optimizer.param_groups for p in g["params"]):
+            return
+        fids = eng._capture.reached_forwards()
+        if not (self.holds_gradients() or fids):
+            return
+        n_samples = self.step_samples
+        self.summed.clear()
+        self.backward_seen = False
+        self.step_samples = 0
+        eng._capture.drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
+        raise RuntimeError(
+            f"{type(optimizer).__name__} (id {id(optimizer):#x}), an optimizer this PrivacyEngine is not attached "
+            f"to, stepped while the engine held gradients of {n_samples} sample(s) from backward passes since its "
+            f"last step for its own optimizer {type(eng.optimizer).__name__} (id {id(eng.optimizer):#x}). The "
+            "engine cannot tell which optimizer a backward pass was for; folding another optimizer's pass into the "
+            "private step would release two batches under one accounted step, so those gradients were discarded "
+            "(nothing released or accounted). Run the forward of a loss that only trains other parameters under "
+            "`with engine.paused():` (e.g. a GAN's generator loss through the private discriminator), and step "
+            "the private optimizer before the other one. If this engine is stale (a model you no longer train), call "
+            "its detach() (fastdp.engines_on(model) finds it).")
+
+
+def register_other_step_hook(release: Release) -> Any:
+    """Install :meth:`Release.other_step` as a global optimizer step pre-hook that holds the release stage weakly
+    (a global hook must not keep an engine and its model alive); it is removed by ``detach`` or with the engine."""
+    ref = weakref.ref(release)
+
+    def hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        rel = ref()
+        if rel is not None:
+            rel.other_step(optimizer, args, kwargs)
+
+    handle = register_optimizer_step_pre_hook(hook)
+    weakref.finalize(release, handle.remove).atexit = False
+    return handle
+
+
+__all__ = ["ATTACHED", "PrivacyBudgetExceeded", "Release", "register_other_step_hook"]

@@ -1,0 +1,80 @@
+"""Every torch API fastdp relies on that is private or outside torch's compatibility promise, one function each.
+
+A torch upgrade that changes one of them breaks here, in one place. Each was tested with torch 2.14.1 (the version
+``.ci/run`` pins); the comment on each says why a public API does not serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode as _TorchFunctionMode
+from torch.utils import _pytree
+
+#: Base class of the torch-function modes of the broadcast-expansion check (:mod:`fastdp.layers.expand`) and the
+#: structure probe's deterministic dropout (:mod:`fastdp.probe`). Documented in ``torch.overrides`` but marked
+#: experimental; its dispatch order under ``torch.compile`` is not promised.
+TorchFunctionMode = _TorchFunctionMode
+
+
+def current_graph_task_id() -> int:
+    """The autograd engine's id of the backward pass running on this thread, ``-1`` outside one.
+
+    Private (``torch._C``): there is no public "am I inside a backward pass" query.
+    """
+    return torch._C._current_graph_task_id()
+
+
+def queue_engine_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass in progress completes (dropped if the pass raises).
+
+    Private (the execution engine's callback queue): no public hook fires once at the end of a whole backward pass
+    whose reached tensors are not known in advance (see :mod:`fastdp.session`).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """Leaves and spec of a nested structure of tensors (``torch.utils._pytree``, private but stable since 2.0);
+    it knows torch's own containers and Hugging Face ``ModelOutput`` s, which a hand-written walk would not."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """Inverse of :func:`tree_flatten`."""
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf of ``tree`` (see :func:`tree_flatten`)."""
+    return _pytree.tree_map(fn, tree)
+
+
+def is_batchnorm(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm of any dimension (their common base ``_BatchNorm`` is private)."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+#: the private common base of BatchNorm1d/2d/3d (for ``isinstance`` checks and type hints)
+BatchNormBase = nn.modules.batchnorm._BatchNorm
+
+
+def set_parameter_slot(module: nn.Module, name: str, value: Any) -> None:
+    """Put ``value`` (a parameter or, during a verified expansion, a plain tensor) in ``module``'s own parameter
+    slot ``name`` without ``register_parameter``'s checks: the expansion must put a non-leaf tensor where the module's
+    forward reads its parameter, and restore the parameter object afterwards (``module._parameters`` is private)."""
+    module._parameters[name] = value
+
+
+def set_requires_grad(param: torch.Tensor, flag: bool) -> None:
+    """Ghost differentiation toggles ``requires_grad`` of a layer's parameters in its forward pre-hook and restores it
+    in its forward hook. Public API, but relied upon in an undocumented way: autograd records no edge to a tensor
+    that does not require grad *when the op runs*, and a later toggle does not change the recorded graph."""
+    param.requires_grad_(flag)
+
+
+__all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "is_batchnorm", "queue_engine_callback",
+           "set_parameter_slot", "set_requires_grad", "tree_flatten", "tree_map", "tree_unflatten"]
