@@ -1,6 +1,6 @@
 """The :class:`PrivacyEngine`: exact per-sample clipping and Gaussian noise for any ``torch.optim`` optimizer.
 
-How one logical step works (see docs/engine.md):
+How one logical step works (see docs/internals/engine.md):
 
 1. **Forward.** A forward hook on every supported module with trainable parameters keeps its input (only when a
    trainable parameter needs it: a bias-only layer keeps nothing) and registers a tensor hook on its output.
@@ -116,14 +116,14 @@ class PrivacyEngine:
         clipping_fn: ``"abadi"``, ``"automatic"`` or ``"global"`` (see :mod:`fastdp.clipping`).
         clipping_style: ``"all-layer"``, ``"layer-wise"``, ``"param-wise"`` or a list of lists of parameter names.
         clipping_mode: ``"BK-MixOpt"`` (default), ``"BK-MixGhostClip"``, ``"BK-ghost"``, ``"ghost"`` or
-            ``"instantiate"``; all give the same gradient up to rounding (see docs/engine.md).
+            ``"instantiate"``; all give the same gradient up to rounding (docs/internals/clipping.md).
         accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"`` (an approximation).
         loss_reduction: ``"mean"`` if the loss averages the per-sample losses over the physical batch, ``"sum"``
             if it adds them.
         noise_generator: a ``torch.Generator`` on the parameters' device to draw the noise from (its state is
             saved by :meth:`state_dict`, so a resumed run continues the same noise stream).
         secure_mode: draw the noise from generators seeded by the operating system's CSPRNG at every step, as the
-            sum of four Gaussians divided by two (floating-point attack mitigation); see docs/security.md. About
+            sum of four Gaussians divided by two (floating-point attack mitigation); docs/guide/secure-mode.md. About
             15-35x slower noise; no ``noise_generator``.
         enforce_budget: with ``target_epsilon``, a step that would take epsilon above it raises
             :class:`PrivacyBudgetExceeded` before anything is released.
@@ -227,7 +227,7 @@ class PrivacyEngine:
         # verified expansions of the generic owners' calls in progress (None: the call is replayed)
         self._expand_stack: list[expand.ExpandedCall | None] = []
         self._expand_off: set[int] = set()  # owners whose expansion failed verification once: always replayed
-        #: owner label -> {"expanded": calls, "replayed": calls} of the generic path (inspectable; see docs/engine.md)
+        #: owner label -> {"expanded": calls, "replayed": calls} of the generic path (docs/internals/generic-path.md)
         self.generic_stats: dict[str, dict[str, int]] = {}
         self._on_arrival = True  # instantiation on arrival (bookkeeping.instantiate_on_arrival); off: benchmarks
         self._step_samples = 0  # samples seen by the backward passes of the current logical step
