@@ -1,4 +1,4 @@
-"""A/B of instantiation on arrival (docs/engine.md): the default mode with and without it, next to non-private
+"""A/B of instantiation on arrival (docs/internals/clipping.md): default mode with and without it, next to non-private
 training, alternating steps in one process.
 
 Usage::

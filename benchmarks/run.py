@@ -25,7 +25,7 @@ Method (see ``benchmarks/zoo.py`` for the workloads and methods):
 
 Results go to ``benchmarks/results/run_<device>_<preset>.json`` and ``.csv``; ``--write-docs`` regenerates the
 section of docs/benchmarks.md between ``<!-- run:<device>-<preset>:start/end -->`` and the plots
-``docs/img/bench_<device>_<preset>_<model>.png`` from that JSON (never by hand).
+``docs/results/img/bench_<device>_<preset>_<model>.png`` from that JSON (never by hand).
 """
 
 from __future__ import annotations
@@ -413,7 +413,7 @@ def plot(results: dict, stem: str) -> list[Path]:
         fig.suptitle(f"{names[model]}: ratios to non-private training ({results['env']['device']}, preset "
                      f"{results['config']['preset']}, {results['env']['date']})")
         fig.tight_layout()
-        path = ROOT / "docs" / "img" / f"{stem}_{model}.png"
+        path = ROOT / "docs" / "results" / "img" / f"{stem}_{model}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=90)
         plt.close(fig)

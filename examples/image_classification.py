@@ -38,7 +38,7 @@ Run::
     python examples/image_classification.py --add-biases       # DP-BiTFiT-Add
     python examples/image_classification.py --quick            # under a minute: a smoke test
 
-See docs/vision_example.md for the results of the default run.
+See docs/results/vision_example.md for the results of the default run (docs/guide/vision.md: setup).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ provides exactly that sampling:
 * :func:`is_poisson`: whether a loader (or batch sampler) samples this way;
 * :class:`VirtualBatches`: split one logical batch into physical micro-batches that fit in memory.
 
-See docs/data.md.
+See docs/guide/data.md and docs/reference/data.md.
 """
 
 from __future__ import annotations

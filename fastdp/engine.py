@@ -100,7 +100,7 @@ class PrivacyEngine:
         noise_generator: a ``torch.Generator`` on the parameters' device to draw the noise from (its state is
             saved by :meth:`state_dict`, so a resumed run continues the same noise stream).
         secure_mode: draw the noise from generators seeded by the operating system's CSPRNG at every step, as the
-            sum of four Gaussians divided by two (floating-point attack mitigation); see docs/security.md. About
+            sum of four Gaussians divided by two (floating-point attack mitigation); see docs/guide/secure-mode.md. About
             15-35x slower noise; no ``noise_generator``.
         enforce_budget: with ``target_epsilon``, a step that would take epsilon above it raises
             :class:`PrivacyBudgetExceeded` before anything is released.
@@ -208,7 +208,7 @@ class PrivacyEngine:
 
     @property
     def generic_stats(self) -> dict[str, dict[str, int]]:
-        """Owner label -> ``{"expanded": calls, "replayed": calls}`` of the generic path (docs/engine.md)."""
+        """Owner label -> ``{"expanded": calls, "replayed": calls}`` of the generic path (docs/internals/generic-path.md)."""
         return self._capture.generic_stats
 
     @property

@@ -5,7 +5,7 @@ The released gradient of a parameter is ``(sum_i C_i g_i + sigma * R * xi) / bat
 
 Secure mode (:func:`secure_generator`, :func:`secure_gaussian`, :func:`secure_noisy_mean`) draws from generators
 whose state comes from the operating system's CSPRNG at every call, and sums four Gaussians against the
-floating-point attack on the Gaussian mechanism; see docs/security.md for what this does and does not protect.
+floating-point attack on the Gaussian mechanism; see docs/guide/secure-mode.md for what this does and does not protect.
 """
 
 from __future__ import annotations

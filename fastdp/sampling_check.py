@@ -144,7 +144,7 @@ class SampleRateMonitor:
                     f"q={q:.4g} that has probability below {FIXED_SIZE_ALPHA:g}. The reported epsilon assumes "
                     "Poisson sampling (each example joins each batch independently with probability "
                     "batch_size/sample_size); with fixed-size batches it does not hold as stated. Use "
-                    "fastdp.data.poisson_loader (docs/data.md).")
+                    "fastdp.data.poisson_loader (docs/guide/data.md).")
         return out
 
     def _too_many(self, what: str) -> str:

@@ -10,14 +10,15 @@ Usage (from the repository root)::
     python tests/hf_sweep.py --write --mode ghost --name models_sweep_ghost         # another clipping mode
     python tests/hf_sweep.py --write --prefer cls --mask --name models_sweep_cls_mask  # classifier heads, padded
 
-(the docs/models_sweep_*.md variants were run with ``--only`` the 221 types that were exact, silent or refused in
-the default sweep). A run starts afresh unless ``--resume`` (then it continues its progress file).
+(the docs/results/models_sweep_*.md variants were run with ``--only`` the 221 types that were exact, silent or
+refused in the default sweep). A run starts afresh unless ``--resume`` (then it continues its progress file).
 
-Writes ``docs/models_sweep.md`` (the table) and ``docs/models_sweep.json`` (the raw rows). No network: every model
-is built from its config class (``transformers.CONFIG_MAPPING_NAMES``) with shrunk sizes (hidden 16, 2 layers,
-2 heads, vocabulary 64, feed-forward 32, dropout 0), in float64 where the model runs in float64 (else float32), in
-``eval()`` mode. The head is, in this order of preference, the architecture's causal LM, seq2seq LM, sequence
-classifier, else its base model. Per-sample losses come from the outputs (never the model's ``labels=`` loss):
+Writes ``docs/results/models_sweep.md`` (the table) and ``docs/results/models_sweep.json`` (the raw rows). No
+network: every model is built from its config class (``transformers.CONFIG_MAPPING_NAMES``) with shrunk sizes
+(hidden 16, 2 layers, 2 heads, vocabulary 64, feed-forward 32, dropout 0), in float64 where the model runs in
+float64 (else float32), in ``eval()`` mode. The head is, in this order of preference, the architecture's causal LM,
+seq2seq LM, sequence classifier, else its base model. Per-sample losses come from the outputs (never the model's
+``labels=`` loss):
 
 * causal LM: mean next-token cross-entropy over the sample's own 6 shifted tokens;
 * seq2seq LM: mean cross-entropy of the sample's 5 decoder logits against random labels;
@@ -59,6 +60,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+RESULTS = ROOT / "docs" / "results"  # where --write puts the tables and the raw rows
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
@@ -479,7 +481,7 @@ def write_table(rows: list[dict], md: Path, js: Path, total: int, name: str = "m
            else f" --batch {B} --seq {T} --mode {MODE}{' --mask' if MASK else ''}"
            f"{' --prefer ' + PREFER if PREFER else ''} --name {name}")
         + f"` (transformers {transformers.__version__}, torch "
-        f"{torch.__version__}); raw rows in `docs/{name}.json`. How the models, batches and losses are built "
+        f"{torch.__version__}); raw rows in `docs/results/{name}.json`. How the models, batches and losses are built "
         f"and what each outcome means: the docstring of `tests/hf_sweep.py`. Engine: {MODE}, abadi, all-layer, "
         f"noise 0, R between the per-sample norms (some samples clipped), batch of {B} samples x {T} tokens.",
         "",
@@ -507,7 +509,7 @@ def write_table(rows: list[dict], md: Path, js: Path, total: int, name: str = "m
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="write docs/models_sweep.md and docs/models_sweep.json")
+    ap.add_argument("--write", action="store_true", help="write docs/results/models_sweep.md and .json")
     ap.add_argument("--only", default="", help="comma-separated model types")
     ap.add_argument("--limit", type=int, default=0, help="only the first N architectures")
     ap.add_argument("--timeout", type=int, default=60, help="seconds per architecture")
@@ -522,7 +524,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mask", action="store_true", default=MASK, help="right padding with an attention_mask")
     ap.add_argument("--prefer", default=PREFER, choices=["", "causal", "s2s", "cls", "base"],
                     help="the head to take first where a model type has it (default: causal, s2s, cls, base)")
-    ap.add_argument("--name", default="models_sweep", help="output docs/NAME.md and docs/NAME.json")
+    ap.add_argument("--name", default="models_sweep", help="output docs/results/NAME.md and .json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("items", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -549,7 +551,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['arch']:30s} {r['outcome']:15s} {str(r.get('detail', ''))[:150]}")
     if a.write:
-        write_table(rows, ROOT / "docs" / f"{a.name}.md", ROOT / "docs" / f"{a.name}.json", total, a.name, bool(a.only))
+        write_table(rows, RESULTS / f"{a.name}.md", RESULTS / f"{a.name}.json", total, a.name, bool(a.only))
     return 0
 
 

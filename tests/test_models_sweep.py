@@ -2,7 +2,7 @@
 
 The default run checks three architectures in-process (a smoke test of the sweep's machinery and of the rule); the
 whole sweep is ``@pytest.mark.slow`` (worker processes, as ``python tests/hf_sweep.py --write``, which also writes
-docs/models_sweep.md). Architectures whose model fails without
+docs/results/models_sweep.md). Architectures whose model fails without
 the engine (crash-in-model, build-failed, control-failed: the model couples samples, timeout) are skipped with the
 reason; ``silent`` and ``engine-crash`` (a refusal that names nothing of the model) fail.
 """
@@ -17,10 +17,10 @@ pytest.importorskip("transformers")
 
 import hf_sweep  # noqa: E402
 
-# model type -> why it is silent on today's main (docs/models_sweep.md); strict xfail
+# model type -> why it is silent on today's main (docs/results/models_sweep.md); strict xfail
 SILENT_TODAY: dict[str, str] = {}  # the 14 rows silent before (tied MLM bias, Falcon in place) are fixed
 
-# at B == T (7 samples of 7 tokens: docs/models_sweep_b_eq_t.md): model types still silent there (none)
+# at B == T (7 samples of 7 tokens: docs/results/models_sweep_b_eq_t.md): model types still silent there (none)
 SILENT_TODAY_B_EQ_T: dict[str, str] = {}  # T5-family relative bias and BART-family positions: fixed
 
 OK = ("exact", "refused")

@@ -17,7 +17,7 @@ _MT = slice(noise._MT_OFFSET, noise._MT_OFFSET + 8 * noise._MT_WORDS)
 
 
 def test_cpu_manual_seed_keeps_only_32_bits():
-    """Why the CPU generator's whole state is filled from os.urandom (docs/security.md states this)."""
+    """Why the CPU generator's whole state is filled from os.urandom (docs/guide/secure-mode.md states this)."""
     a, b = torch.Generator(), torch.Generator()
     a.manual_seed(12345)
     b.manual_seed(12345 + 2**32)

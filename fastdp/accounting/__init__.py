@@ -13,7 +13,8 @@ Accountants (all share :class:`Accountant`: ``step``, ``get_epsilon``, ``history
 * ``"rdp"`` -- :class:`RDPAccountant` (Mironov et al. 2019, improved conversion), looser upper bound.
 * ``"gdp"`` -- :class:`GDPAccountant` (Bu et al. 2020 CLT), an APPROXIMATION that can underestimate epsilon.
 
-See ``docs/accounting.md``. Command line: ``python -m fastdp.accounting --help``.
+See ``docs/guide/accounting.md`` (choosing) and ``docs/reference/accounting.md``. Command line:
+``python -m fastdp.accounting --help``.
 """
 
 from __future__ import annotations
