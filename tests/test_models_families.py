@@ -68,12 +68,13 @@ from model_oracle import (  # noqa: E402
     electra,
     gemma,
     mistral,
+    oracle_for,
     padded_lm_batches,
     phi,
     quiet_transformers,
     qwen2,
 )
-from oracle import MODES, make_engine  # noqa: E402
+from oracle import MODES, call_model, choose_R, clipped_sum, engine_step, make_engine, released_grads  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
 
@@ -317,7 +318,7 @@ FAMILIES = {
 }
 TIMM = {"convnext", "mobilenetv3", "efficientnet", "mobilenetv3-bn-trainable", "efficientnet-validate-fix"}
 # all five modes in the default run; the rest run the default mode (their other modes are @slow)
-ALL_MODES_FAST = {"mistral", "gemma", "bloom", "albert", "electra", "clip", "whisper", "convnext", "efficientnet"}
+ALL_MODES_FAST = {"mistral", "albert", "clip", "whisper", "convnext", "efficientnet"}
 
 
 def _needs(name):
@@ -607,3 +608,47 @@ def test_conv_padding_modes(dim, padding_mode, mode):
              torch.randint(0, LABELS, (n,), generator=g)) for n in ([b, 1] if b == 11 else [b])]
     fn, style, reduction = MODE_CONFIG[mode]
     check_engine(model, _ce, data, mode=mode, fn=fn, style=style, reduction=reduction)
+
+
+# --------------------------------------------------------------------------- the empty batch
+
+
+@pytest.mark.parametrize("name", sorted(TIMM))
+def test_timm_empty_physical_batch(name):
+    """A batch of zero rows, forward and backward (Poisson sampling), accumulated with a non-empty one."""
+    _needs(name)
+    fam = FAMILIES[name]
+    check_engine(fam.build(), fam.loss, fam.batches([fam.b, 0], 80), mode="BK-MixOpt", reduction="sum")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("name", ["mistral", "distilbert", "clip", "whisper"])
+def test_hf_empty_batch_then_step(name):
+    """Hugging Face models cannot run a batch of zero rows themselves (a reshape with -1 of an empty tensor), with
+    or without an engine. The failed forward leaves nothing behind, ``engine.empty_step()`` releases zero (σ = 0),
+    and the next step on a real batch matches the oracle."""
+    fam = FAMILIES[name]
+    model = fam.build()
+    (x0, _), = fam.batches([0], 81)
+    with pytest.raises(RuntimeError, match="cannot reshape tensor of 0 elements"):
+        call_model(copy.deepcopy(model), x0)  # the model itself, no engine
+    data = fam.batches([fam.b], 82)
+    om, names, groups, psg = oracle_for(model, fam.loss, data)
+    R = choose_R(psg, groups, "middle", gap=1e-6)
+    want = clipped_sum(psg, groups, "abadi", R, fam.b)
+    engine = make_engine(model, batch_size=fam.b, R=R)
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD([params[n] for n in names], lr=0.0)
+    engine.attach(opt)
+    with pytest.raises(RuntimeError, match="cannot reshape tensor of 0 elements"):
+        call_model(model, x0)
+    engine.empty_step()
+    assert all(float(params[n].grad.abs().max()) == 0.0 for n in names)
+    opt.zero_grad()
+    engine_step(model, opt, fam.loss, data, "mean")
+    got = released_grads(model, names)
+    atol_rel = fam.tol.get("atol_rel", 0.0)
+    for n in names:
+        w = want[n]
+        atol = max(1e-10 * max(1.0, float(w.abs().max())), atol_rel * float(w.abs().max()))
+        torch.testing.assert_close(got[n], w, rtol=1e-6, atol=atol, msg=lambda m, n=n: f"{name} {n}: {m}")
