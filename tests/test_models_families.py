@@ -5,8 +5,8 @@ clip, sum; ``model_oracle.check_engine``, which first checks that the oracle's p
 batched gradient and that clipping changes the result by more than 1000x the tolerance).
 
 * Hugging Face decoders: Mistral (also with a sliding window), Qwen2, Gemma (grouped-query attention, rotary), Phi
-  (partial rotary), BLOOM (ALiBi); causal LM with :func:`fastdp.losses.causal_lm_loss` on the logits, attention masks of different lengths
-  per sample (right padding), padded labels -100.
+  (partial rotary), BLOOM (ALiBi); causal LM with :func:`fastdp.losses.causal_lm_loss` on the logits, attention
+  masks of different lengths per sample (right padding), padded labels -100.
 * Encoders: DistilBERT, ELECTRA, ALBERT (one layer applied twice) sequence classification.
 * Vision / multimodal / audio: HF ViT image classification; CLIP, both towers, with a per-sample loss on the
   scaled cosine of each sample's own image and text embeddings (no in-batch negatives); Whisper encoder-decoder
