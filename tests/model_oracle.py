@@ -382,3 +382,92 @@ def build_hf(family, attn="eager", seed=0):
     model = make(attn).to(D)
     model.train()  # dropout is 0: train mode is deterministic
     return model, batches, loss
+
+
+# --------------------------------------------------------------------------- issue-12 families (dropout 0)
+# Decoders with grouped-query attention and rotary embeddings, ALiBi (BLOOM), partial rotary (Phi); encoders with
+# factorised / shared layers (ALBERT), a separate embedding width (ELECTRA), no token types (DistilBERT). Same small
+# sizes as above: vocabulary 61, hidden 16, 2 heads of 8 (1 key/value head where the family has GQA), ffn 24.
+
+
+def _decoder_common(**kw):
+    return dict(vocab_size=V, hidden_size=HID, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=16, attention_dropout=0.0, **kw)
+
+
+def mistral(attn="eager", **kw):
+    tf = _tf()
+    return tf.MistralForCausalLM(tf.MistralConfig(attn_implementation=attn, **_decoder_common(**kw)))
+
+
+def qwen2(attn="eager", **kw):
+    tf = _tf()
+    return tf.Qwen2ForCausalLM(tf.Qwen2Config(attn_implementation=attn, **_decoder_common(**kw)))
+
+
+def gemma(attn="eager", **kw):
+    """Gemma: head_dim given explicitly, (1 + w) RMS-norm scale, embeddings scaled by sqrt(d), LM head tied."""
+    tf = _tf()
+    return tf.GemmaForCausalLM(tf.GemmaConfig(attn_implementation=attn, head_dim=8, **_decoder_common(**kw)))
+
+
+def phi(attn="eager", **kw):
+    """Phi: partial rotary embedding (half of each head), parallel attention / MLP, LayerNorm, biases."""
+    tf = _tf()
+    cfg = tf.PhiConfig(vocab_size=V, hidden_size=HID, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=2,
+                       max_position_embeddings=16, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                       partial_rotary_factor=0.5, attn_implementation=attn, **kw)
+    return tf.PhiForCausalLM(cfg)
+
+
+def bloom(attn="eager", **kw):
+    """BLOOM: ALiBi position bias computed from the attention mask, fused query_key_value, LM head tied."""
+    tf = _tf()
+    cfg = tf.BloomConfig(vocab_size=V, hidden_size=HID, n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0,
+                         attn_implementation=attn, **kw)
+    return tf.BloomForCausalLM(cfg)
+
+
+def _encoder_common(**kw):
+    return dict(vocab_size=V, hidden_size=HID, num_hidden_layers=2, num_attention_heads=2, intermediate_size=FFN,
+                max_position_embeddings=16, num_labels=LABELS, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, **kw)
+
+
+def distilbert(attn="eager", **kw):
+    tf = _tf()
+    cfg = tf.DistilBertConfig(vocab_size=V, dim=HID, n_layers=2, n_heads=2, hidden_dim=FFN, max_position_embeddings=16,
+                              num_labels=LABELS, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0,
+                              attn_implementation=attn, **kw)
+    return tf.DistilBertForSequenceClassification(cfg)
+
+
+def electra(attn="eager", **kw):
+    """ELECTRA: embedding width 12 projected to the hidden width 16."""
+    tf = _tf()
+    return tf.ElectraForSequenceClassification(tf.ElectraConfig(embedding_size=12, attn_implementation=attn,
+                                                                **_encoder_common(**kw)))
+
+
+def albert(attn="eager", **kw):
+    """ALBERT: factorised embedding (12 -> 16) and ONE layer group applied num_hidden_layers = 2 times."""
+    tf = _tf()
+    return tf.AlbertForSequenceClassification(tf.AlbertConfig(embedding_size=12, classifier_dropout_prob=0.0,
+                                                               attn_implementation=attn, **_encoder_common(**kw)))
+
+
+def padded_lm_batches(sizes, seed, *, pad_id=0, T=T_LM, vocab=V):
+    """Causal-LM batches ``((ids, mask), labels)`` with attention masks of different lengths per sample: sample i
+    has ``i % 3`` padding positions on the right, padded ids are ``pad_id`` and their labels -100 (the
+    ``ignore_index`` of :func:`fastdp.losses.causal_lm_loss`). (Not left padding: the eager attention of
+    transformers 5.23 gives NaN for the fully masked rows of the leading pad positions.)"""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        ids = torch.randint(2, vocab, (n, T), generator=g)
+        mask = torch.ones(n, T, dtype=torch.long)
+        for i in range(n):
+            mask[i, T - i % 3:] = 0
+        ids = ids.masked_fill(mask == 0, pad_id)
+        out.append(((ids, mask), ids.masked_fill(mask == 0, -100)))
+    return out
