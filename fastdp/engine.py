@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 
 LOSS_REDUCTIONS = ("mean", "sum")
 ON_NONFINITE = ("raise", "zero")
-#: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier
-STATE_VERSION = 2
+#: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier;
+#: 3 records sigma = 0 steps (and other releases) in the accountant's ledger
+STATE_VERSION = 3
 #: attributes that are read-only once the engine is built (the privacy configuration and its accounting)
 _READ_ONLY = frozenset({
     "noise_multiplier", "max_grad_norm", "batch_size", "sample_size", "sample_rate", "target_delta",
@@ -246,9 +247,6 @@ class PrivacyEngine:
         #: structure probe cost: {"probes": runs, "signatures": verified signatures, "seconds": time, "eval_retries"}
         self.probe_stats: dict[str, Any] = {"probes": 0, "signatures": 0, "seconds": 0.0, "eval_retries": 0}
         self.optimizer: torch.optim.Optimizer | None = None
-        # steps released with noise_multiplier=0: not in the accountant (epsilon is infinite once there is one);
-        # invariant: steps == accountant.steps + noiseless_steps
-        self.noiseless_steps = 0
         self._initial_sigma = self.noise_multiplier  # the constructed value (checked against checkpoints)
         self._sampling = SampleRateMonitor(self.batch_size, self.sample_size)
         others = engine_registry.conflicts(self._trainable.values())
@@ -908,11 +906,11 @@ class PrivacyEngine:
                 "optimizer.step() without a backward pass since the last step: nothing to release. Call "
                 "loss.backward() first. For an empty batch (normal under Poisson sampling) run the forward and "
                 "backward on it anyway (fastdp handles batch size 0), or call engine.empty_step().")
-        if self.accountant.steps + self.noiseless_steps != self.steps:
+        if self.accountant.ledger.steps != self.steps:
             self._discard_step()
             raise RuntimeError(
-                f"the accountant records {self.accountant.steps} noised steps but the engine released {self.steps} "
-                f"({self.noiseless_steps} without noise): its history was changed outside the engine. Nothing was "
+                f"the accountant's ledger records {self.accountant.ledger.steps} training steps but the engine "
+                f"released {self.steps}: its history was changed outside the engine. Nothing was "
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
         self._check_budget()
         self._check_sample_rate()
@@ -930,10 +928,7 @@ class PrivacyEngine:
                     p.grad = None  # frozen since attach (update_trainable): never updated
         self._summed.clear()
         object.__setattr__(self, "steps", self.steps + 1)
-        if self.noise_multiplier > 0:
-            self.accountant.step(self.noise_multiplier, self.sample_rate)
-        else:  # no noise: infinite epsilon, recorded so that steps == accountant.steps + noiseless_steps
-            object.__setattr__(self, "noiseless_steps", self.noiseless_steps + 1)
+        self.accountant.record_step(self.noise_multiplier, self.sample_rate)  # sigma = 0 too: epsilon inf
         self._step_samples = 0
         self._backward_seen = False
 
@@ -1067,12 +1062,10 @@ class PrivacyEngine:
             raise PrivacyBudgetExceeded(
                 f"step {nxt} with noise_multiplier=0 (now or earlier) would take epsilon to inf > target_epsilon="
                 f"{self.target_epsilon:g}; nothing was released. Set a positive noise multiplier.")
-        if nxt <= self._budget_verified:
+        if nxt <= self._budget_verified and not self.accountant.ledger.releases:  # calibration covers steps only
             return
-        trial = accounting.make_accountant(self.accountant.name)
-        trial.load_state_dict(self.accountant.state_dict())
-        trial.step(self.noise_multiplier, self.sample_rate)
-        eps = float(trial.get_epsilon(self.target_delta))
+        eps = self.accountant.epsilon_after(accounting.PoissonSampledGaussian(self.noise_multiplier,
+                                                                              self.sample_rate), self.target_delta)
         if eps > self.target_epsilon:
             raise PrivacyBudgetExceeded(
                 f"step {nxt} would take epsilon to {eps:.4g} > target_epsilon={self.target_epsilon:g} "
@@ -1096,6 +1089,24 @@ class PrivacyEngine:
                 f"unfrozen: {unfrozen[:5]}{'...' if len(unfrozen) > 5 else ''}); nothing was released and this "
                 "step's gradients were discarded. Call engine.update_trainable() after freezing or unfreezing "
                 "parameters, before the next backward pass.")
+
+    @property
+    def noiseless_steps(self) -> int:
+        """Steps released with ``noise_multiplier=0``: recorded in the accountant's ledger (epsilon is inf)."""
+        return self.accountant.ledger.noiseless_steps
+
+    def record_release(self, event: accounting.DpEvent, label: str = "release") -> None:
+        """Record another private release on this engine's data (e.g. a noisy evaluation metric:
+        ``accounting.Gaussian(sigma)``) in the accountant's ledger, so :meth:`get_privacy_spent` covers training and
+        the release together. With ``enforce_budget``, a release that would take epsilon above ``target_epsilon`` is
+        refused (:class:`PrivacyBudgetExceeded`, nothing recorded), and every later step is checked."""
+        if self.enforce_budget:
+            eps = self.accountant.epsilon_after(event, self.target_delta)
+            if eps > self.target_epsilon:
+                raise PrivacyBudgetExceeded(
+                    f"release {label!r} would take epsilon to {eps:.4g} > target_epsilon={self.target_epsilon:g} "
+                    f"(delta={self.target_delta:g}, {self.accountant.name}); it was not recorded: do not release it.")
+        self.accountant.record(event, label=label)
 
     # ------------------------------------------------------------------ reporting
     def get_privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
@@ -1126,7 +1137,8 @@ class PrivacyEngine:
         privacy configuration (checked on load). Save it with the model's and optimizer's state dicts.
 
         ``config["noise_multiplier"]`` is the constructed sigma; ``noise_multiplier_now`` the current one
-        (:meth:`set_noise_multiplier`). ``steps == len(accountant history) + noiseless_steps``."""
+        (:meth:`set_noise_multiplier`). ``steps`` == the training steps of the accountant's ledger, of which
+        ``noiseless_steps`` have sigma = 0."""
         if self._summed:
             raise RuntimeError("state_dict() with gradients accumulated for the next step: save after "
                                "optimizer.step()")
@@ -1140,11 +1152,12 @@ class PrivacyEngine:
         """Resume from :meth:`state_dict`. The engine must be built with the same privacy configuration
         (noise multiplier, sample rate, clipping, accountant, delta); a mismatch raises ValueError naming it.
 
-        Nothing in the checkpoint is trusted: ``steps`` must equal the accountant history's step count plus
-        ``noiseless_steps`` (so a checkpoint cannot report epsilon 0 after steps were taken), every history
-        entry must have this engine's sample rate, and the budget state of ``enforce_budget`` is recomputed from
-        the history. Version-1 checkpoints (before the sample-rate monitor) load with the same checks; their
-        sample-rate test restarts. A failed load leaves the engine unchanged.
+        Nothing in the checkpoint is trusted: ``steps`` and ``noiseless_steps`` must equal the training steps (and
+        the sigma = 0 ones) of the accountant's ledger (so a checkpoint cannot report epsilon 0 after steps were
+        taken), every training step must have this engine's sample rate, and the budget state of
+        ``enforce_budget`` is recomputed from the ledger. Version-1 and -2 checkpoints (sigma = 0 steps kept out of
+        the accountant, so they are added to the ledger on load; version 1 also before the sample-rate monitor,
+        whose test restarts) load with the same checks. A failed load leaves the engine unchanged.
         """
         if self.steps > 0 or self._summed or self._backward_seen:
             raise RuntimeError(
@@ -1152,8 +1165,8 @@ class PrivacyEngine:
                 "gradients for the next one): the checkpoint would replace their accounting. Load checkpoints into "
                 "a freshly built engine, before any backward pass.")
         version = state.get("version") if isinstance(state, dict) else None
-        if version not in (1, STATE_VERSION):
-            raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 or "
+        if version not in (1, 2, STATE_VERSION):
+            raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 to "
                              f"{STATE_VERSION})")
         theirs = state.get("config")
         if not isinstance(theirs, dict):
@@ -1184,12 +1197,15 @@ class PrivacyEngine:
             if (isinstance(sigma_now, bool) or not isinstance(sigma_now, (int, float))
                     or not (math.isfinite(sigma_now) and sigma_now >= 0)):
                 raise ValueError(f"state['noise_multiplier_now']={sigma_now!r} must be a finite number >= 0")
-        if trial.steps + noiseless != steps:
+        if version < 3 and noiseless:  # sigma = 0 steps were kept out of the accountant: record them now
+            trial.record_step(0.0, self.sample_rate, noiseless)
+        if trial.ledger.steps != steps or trial.ledger.noiseless_steps != noiseless:
             raise ValueError(
-                f"inconsistent checkpoint: state['steps']={steps}, but the accountant history records "
-                f"{trial.steps} noised steps and state['noiseless_steps']={noiseless} (they must add up to steps); "
-                "the checkpoint was edited or corrupted and cannot be resumed privately")
-        bad_q = sorted({q for _, q, _ in trial.history if q != self.sample_rate})
+                f"inconsistent checkpoint: state['steps']={steps} and state['noiseless_steps']={noiseless}, but the "
+                f"accountant's ledger records {trial.ledger.steps} steps, {trial.ledger.noiseless_steps} of them "
+                "without noise; the checkpoint was edited or corrupted and cannot be resumed privately")
+        bad_q = sorted({e.event.sample_rate for e in trial.ledger.entries if e.is_step and e.event.sample_rate
+                        != self.sample_rate})
         if bad_q:
             raise ValueError(f"the checkpoint's accountant history has sample rates {bad_q}, but this engine's is "
                              f"{self.sample_rate!r}; the checkpoint was not saved by this configuration")
@@ -1205,12 +1221,11 @@ class PrivacyEngine:
             self.noise_generator.set_state(gen)
         self.accountant.load_state_dict(trial.state_dict())
         object.__setattr__(self, "steps", steps)
-        object.__setattr__(self, "noiseless_steps", noiseless)
         object.__setattr__(self, "noise_multiplier", float(sigma_now))
         self._sampling = sampling
         self.nonfinite_samples = nonfinite
         # budget state recomputed, never read: the calibration covers a history of the constructed sigma only
-        homogeneous = (noiseless == 0 and float(sigma_now) == self._initial_sigma
+        homogeneous = (noiseless == 0 and not trial.ledger.releases and float(sigma_now) == self._initial_sigma
                        and all(s == self._initial_sigma for s, _, _ in trial.history))
         self._budget_verified = (self._planned_steps or 0) if homogeneous else 0
 
