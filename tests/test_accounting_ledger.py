@@ -12,6 +12,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastdp.accounting import (
     Accountant,
@@ -357,3 +359,59 @@ def test_resolve_factory_refuses_what_is_not_a_factory():
         resolve_factory(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'moments'"):
         get_noise_multiplier(3.0, 1e-5, 0.01, steps=10, accountant="moments")
+
+
+# --------------------------------------------------------------------------- random event trees
+
+_leaf = st.one_of(
+    st.builds(PoissonSampledGaussian, st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.sampled_from([0.01, 0.1, 1.0])),
+    st.just(NonPrivate()),
+)
+_events = st.recursive(
+    _leaf,
+    lambda kids: st.one_of(st.lists(kids, max_size=4).map(Composed),
+                           st.builds(SelfComposed, kids, st.integers(1, 5))),
+    max_leaves=12,
+)
+
+
+def _naive_counts(event, times=1, out=None):
+    """Count the Gaussian pieces by walking the tree (the oracle for decompose)."""
+    out = {} if out is None else out
+    if isinstance(event, PoissonSampledGaussian):
+        key = (event.noise_multiplier, event.sample_rate)
+        out[key] = out.get(key, 0) + times
+    elif isinstance(event, Composed):
+        for e in event.events:
+            _naive_counts(e, times, out)
+    elif isinstance(event, SelfComposed):
+        _naive_counts(event.event, times * event.count, out)
+    return out
+
+
+def _has_no_guarantee(event) -> bool:
+    if isinstance(event, NonPrivate):
+        return True
+    if isinstance(event, PoissonSampledGaussian):
+        return event.noise_multiplier == 0.0
+    if isinstance(event, Composed):
+        return any(_has_no_guarantee(e) for e in event.events)
+    return _has_no_guarantee(event.event)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_events, st.integers(1, 3))
+def test_random_events_serialise_and_decompose(event, times):
+    assert event_from_dict(json.loads(json.dumps(event.to_dict()))) == event
+    parts = decompose(event, times)
+    naive = _naive_counts(event, times)
+    assert parts.non_private == _has_no_guarantee(event)
+    assert parts.gaussians == {k: n for k, n in naive.items() if k[0] > 0}
+    led = Ledger()
+    led.record(event, count=times, label="r")
+    assert Ledger.from_list(json.loads(json.dumps(led.to_list()))) == led
+    acc = RDPAccountant()
+    acc.record(event, count=times, label="r")
+    want = math.inf if parts.non_private else (
+        0.0 if not parts.gaussians else rdp_epsilon_for_history(parts.history(), 1e-5, DEFAULT_ORDERS, False)[0])
+    assert acc.get_epsilon(1e-5) == want == RDPAccountant().epsilon_after(event, 1e-5, count=times)
