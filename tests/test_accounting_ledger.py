@@ -355,6 +355,10 @@ def test_resolve_factory_refuses_what_is_not_a_factory():
         resolve_factory(RDPAccountant())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an Accountant"):
         resolve_factory(lambda: 3)  # type: ignore[arg-type, return-value]
+    used = RDPAccountant()
+    used.step(1.0, 0.1)
+    with pytest.raises(ValueError, match="fresh"):
+        resolve_factory(lambda: used)
     with pytest.raises(ValueError, match="unknown accountant 3"):
         resolve_factory(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'moments'"):

@@ -45,8 +45,8 @@ def resolve_factory(accountant: str | Callable[[], Accountant]) -> Callable[[], 
     """A factory for ``accountant``: the registered class for a name, or the callable itself.
 
     Raises:
-        ValueError: an unknown name, or a callable whose result is not an :class:`Accountant` (it is called once
-            to check).
+        ValueError: an unknown name, or a callable whose result is not a fresh :class:`Accountant` (it is called
+            once to check).
     """
     if isinstance(accountant, str):
         return ACCOUNTANTS[resolve_name(accountant)]
@@ -57,6 +57,10 @@ def resolve_factory(accountant: str | Callable[[], Accountant]) -> Callable[[], 
         probe = accountant()
         if not isinstance(probe, Accountant):
             raise ValueError(f"the accountant factory {accountant!r} returned {probe!r}, not an Accountant")
+        if probe.ledger.entries:
+            raise ValueError(f"the accountant factory {accountant!r} returned an accountant that already records "
+                             f"{probe.ledger!r}; a factory must return a fresh one (epsilon and calibration would "
+                             "otherwise include those releases)")
         return accountant
     choices = ", ".join(repr(k) for k in ACCOUNTANTS)
     raise ValueError(f"unknown accountant {accountant!r}; give one of {choices} or a factory (a callable returning "
