@@ -1,10 +1,11 @@
 """The engine's checkpoint: what :meth:`fastdp.PrivacyEngine.state_dict` saves and how a load is validated.
 
-Nothing in a checkpoint is trusted: the privacy configuration must equal the engine's, ``steps`` must equal the
-accountant history's step count plus ``noiseless_steps``, every history entry must have the engine's sample rate,
-and the budget state of ``enforce_budget`` is recomputed from the history, never read. A failed load leaves the
-engine unchanged (everything is checked before anything is applied). Reads and writes only the release stage's
-state (:class:`fastdp.release.Release`) and the engine's noise generator.
+Nothing in a checkpoint is trusted: the privacy configuration must equal the engine's, ``steps`` and
+``noiseless_steps`` must equal the training steps (and the sigma = 0 ones) of the accountant's ledger, every training
+step must have the engine's sample rate, and the budget state of ``enforce_budget`` is recomputed from the ledger,
+never read. Versions 1 and 2 kept sigma = 0 steps out of the accountant; they are added to the ledger on load. A
+failed load leaves the engine unchanged (everything is checked before anything is applied). Reads and writes only
+the release stage's state (:class:`fastdp.release.Release`) and the engine's noise generator.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 from fastdp import accounting
 from fastdp.sampling_check import SampleRateMonitor
 
-#: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier
-STATE_VERSION = 2
+#: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier;
+#: 3 records sigma = 0 steps (and other releases) in the accountant's ledger
+STATE_VERSION = 3
 
 
 def privacy_config(engine: Any) -> dict[str, Any]:
@@ -59,8 +61,8 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
             "gradients for the next one): the checkpoint would replace their accounting. Load checkpoints into "
             "a freshly built engine, before any backward pass.")
     version = state.get("version") if isinstance(state, dict) else None
-    if version not in (1, STATE_VERSION):
-        raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 or "
+    if version not in (1, 2, STATE_VERSION):
+        raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 to "
                          f"{STATE_VERSION})")
     theirs = state.get("config")
     if not isinstance(theirs, dict):
@@ -84,12 +86,15 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
         if (isinstance(sigma_now, bool) or not isinstance(sigma_now, (int, float))
                 or not (math.isfinite(sigma_now) and sigma_now >= 0)):
             raise ValueError(f"state['noise_multiplier_now']={sigma_now!r} must be a finite number >= 0")
-    if trial.steps + noiseless != steps:
+    if version < 3 and noiseless:  # sigma = 0 steps were kept out of the accountant: record them now
+        trial.record_step(0.0, engine.sample_rate, noiseless)
+    if trial.ledger.steps != steps or trial.ledger.noiseless_steps != noiseless:
         raise ValueError(
-            f"inconsistent checkpoint: state['steps']={steps}, but the accountant history records "
-            f"{trial.steps} noised steps and state['noiseless_steps']={noiseless} (they must add up to steps); "
-            "the checkpoint was edited or corrupted and cannot be resumed privately")
-    bad_q = sorted({q for _, q, _ in trial.history if q != engine.sample_rate})
+            f"inconsistent checkpoint: state['steps']={steps} and state['noiseless_steps']={noiseless}, but the "
+            f"accountant's ledger records {trial.ledger.steps} steps, {trial.ledger.noiseless_steps} of them "
+            "without noise; the checkpoint was edited or corrupted and cannot be resumed privately")
+    bad_q = sorted({e.event.sample_rate for e in trial.ledger.entries
+                    if e.is_step and e.event.sample_rate != engine.sample_rate})
     if bad_q:
         raise ValueError(f"the checkpoint's accountant history has sample rates {bad_q}, but this engine's is "
                          f"{engine.sample_rate!r}; the checkpoint was not saved by this configuration")
@@ -105,12 +110,11 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
         engine.noise_generator.set_state(gen)
     rel.accountant.load_state_dict(trial.state_dict())
     rel.steps = steps
-    rel.noiseless_steps = noiseless
     rel.sigma = float(sigma_now)
     rel.sampling = sampling
     rel.nonfinite_samples = nonfinite
     # budget state recomputed, never read: the calibration covers a history of the constructed sigma only
-    homogeneous = (noiseless == 0 and float(sigma_now) == engine._initial_sigma
+    homogeneous = (noiseless == 0 and not trial.ledger.releases and float(sigma_now) == engine._initial_sigma
                    and all(s == engine._initial_sigma for s, _, _ in trial.history))
     rel.budget_verified = rel.planned_steps if homogeneous else 0
 

@@ -100,8 +100,8 @@ class PrivacyEngine:
         noise_generator: a ``torch.Generator`` on the parameters' device to draw the noise from (its state is
             saved by :meth:`state_dict`, so a resumed run continues the same noise stream).
         secure_mode: draw the noise from generators seeded by the operating system's CSPRNG at every step, as the
-            sum of four Gaussians divided by two (floating-point attack mitigation); see docs/guide/secure-mode.md. About
-            15-35x slower noise; no ``noise_generator``.
+            sum of four Gaussians divided by two (floating-point attack mitigation); see
+            docs/guide/secure-mode.md. About 15-35x slower noise; no ``noise_generator``.
         enforce_budget: with ``target_epsilon``, a step that would take epsilon above it raises
             :class:`PrivacyBudgetExceeded` before anything is released.
         on_nonfinite: ``"raise"`` (default): a sample whose gradient has NaN/inf stops the step with an error;
@@ -193,7 +193,7 @@ class PrivacyEngine:
 
     @property
     def noiseless_steps(self) -> int:
-        """Steps released with ``noise_multiplier=0`` (epsilon is ``inf`` once there is one)."""
+        """Steps released with ``noise_multiplier=0``, recorded in the accountant's ledger (epsilon is ``inf``)."""
         return self._release.noiseless_steps
 
     @property
@@ -208,7 +208,8 @@ class PrivacyEngine:
 
     @property
     def generic_stats(self) -> dict[str, dict[str, int]]:
-        """Owner label -> ``{"expanded": calls, "replayed": calls}`` of the generic path (docs/internals/generic-path.md)."""
+        """Owner label -> ``{"expanded": calls, "replayed": calls}`` of the generic path
+        (docs/internals/generic-path.md)."""
         return self._capture.generic_stats
 
     @property
@@ -395,6 +396,13 @@ class PrivacyEngine:
         finally:
             self._capture.paused -= 1
 
+    def record_release(self, event: Any, label: str = "release") -> None:
+        """Record another private release on this engine's data (e.g. a noisy evaluation metric:
+        ``accounting.Gaussian(sigma)``) in the accountant's ledger, so :meth:`get_privacy_spent` covers training and
+        the release together. With ``enforce_budget``, a release that would take epsilon above ``target_epsilon`` is
+        refused (:class:`PrivacyBudgetExceeded`, nothing recorded), and every later step is checked."""
+        self._release.record_release(event, label)
+
     # ------------------------------------------------------------------ reporting
     def get_privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
         """Privacy spent by the steps taken so far.
@@ -416,18 +424,20 @@ class PrivacyEngine:
         privacy configuration (checked on load). Save it with the model's and optimizer's state dicts.
 
         ``config["noise_multiplier"]`` is the constructed sigma; ``noise_multiplier_now`` the current one
-        (:meth:`set_noise_multiplier`). ``steps == len(accountant history) + noiseless_steps``."""
+        (:meth:`set_noise_multiplier`). ``steps`` == the training steps of the accountant's ledger, of which
+        ``noiseless_steps`` have sigma = 0."""
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`. The engine must be built with the same privacy configuration
         (noise multiplier, sample rate, clipping, accountant, delta); a mismatch raises ValueError naming it.
 
-        Nothing in the checkpoint is trusted: ``steps`` must equal the accountant history's step count plus
-        ``noiseless_steps`` (so a checkpoint cannot report epsilon 0 after steps were taken), every history
-        entry must have this engine's sample rate, and the budget state of ``enforce_budget`` is recomputed from
-        the history. Version-1 checkpoints (before the sample-rate monitor) load with the same checks; their
-        sample-rate test restarts. A failed load leaves the engine unchanged.
+        Nothing in the checkpoint is trusted: ``steps`` and ``noiseless_steps`` must equal the training steps (and
+        the sigma = 0 ones) of the accountant's ledger (so a checkpoint cannot report epsilon 0 after steps were
+        taken), every training step must have this engine's sample rate, and the budget state of
+        ``enforce_budget`` is recomputed from the ledger. Version-1 and -2 checkpoints (sigma = 0 steps kept out of
+        the accountant, so they are added to the ledger on load; version 1 also before the sample-rate monitor,
+        whose test restarts) load with the same checks. A failed load leaves the engine unchanged.
         """
         checkpoint.load_state_dict(self, state)
 

@@ -58,10 +58,7 @@ class Release:
         self.accountant = accountant
         self.sigma = sigma
         self.planned_steps = planned_steps
-        self.steps = 0
-        # steps released with noise_multiplier=0: not in the accountant (epsilon is infinite once there is one);
-        # invariant: steps == accountant.steps + noiseless_steps
-        self.noiseless_steps = 0
+        self.steps = 0  # invariant: steps == accountant.ledger.steps (sigma = 0 steps included)
         self.budget_verified = planned_steps  # steps known to stay within target_epsilon
         self.sampling = SampleRateMonitor(engine.batch_size, engine.sample_size)
         self.summed: dict[nn.Parameter, torch.Tensor] = {}
@@ -69,6 +66,22 @@ class Release:
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
         self.empty_step = False  # an `engine.empty_step()` is running
+
+    @property
+    def noiseless_steps(self) -> int:
+        """Steps released with ``noise_multiplier=0``: recorded in the accountant's ledger (epsilon is inf)."""
+        return self.accountant.ledger.noiseless_steps
+
+    def record_release(self, event: Any, label: str) -> None:
+        """Record another private release in the accountant's ledger (see ``PrivacyEngine.record_release``)."""
+        eng = self.engine
+        if eng.enforce_budget:
+            eps = self.accountant.epsilon_after(event, eng.target_delta)
+            if eps > eng.target_epsilon:
+                raise PrivacyBudgetExceeded(
+                    f"release {label!r} would take epsilon to {eps:.4g} > target_epsilon={eng.target_epsilon:g} "
+                    f"(delta={eng.target_delta:g}, {self.accountant.name}); it was not recorded: do not release it.")
+        self.accountant.record(event, label=label)
 
     # ------------------------------------------------------------------ accumulation
     @property
@@ -119,11 +132,11 @@ class Release:
                 "optimizer.step() without a backward pass since the last step: nothing to release. Call "
                 "loss.backward() first. For an empty batch (normal under Poisson sampling) run the forward and "
                 "backward on it anyway (fastdp handles batch size 0), or call engine.empty_step().")
-        if self.accountant.steps + self.noiseless_steps != self.steps:
+        if self.accountant.ledger.steps != self.steps:
             self.discard()
             raise RuntimeError(
-                f"the accountant records {self.accountant.steps} noised steps but the engine released {self.steps} "
-                f"({self.noiseless_steps} without noise): its history was changed outside the engine. Nothing was "
+                f"the accountant's ledger records {self.accountant.ledger.steps} training steps but the engine "
+                f"released {self.steps}: its history was changed outside the engine. Nothing was "
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
         self._check_budget()
         self._check_sample_rate()
@@ -142,10 +155,7 @@ class Release:
                     p.grad = None  # frozen since attach (update_trainable): never updated
         self.summed.clear()
         self.steps += 1
-        if self.sigma > 0:
-            self.accountant.step(self.sigma, eng.sample_rate)
-        else:  # no noise: infinite epsilon, recorded so that steps == accountant.steps + noiseless_steps
-            self.noiseless_steps += 1
+        self.accountant.record_step(self.sigma, eng.sample_rate)  # sigma = 0 too: epsilon inf
         self.step_samples = 0
         self.backward_seen = False
 
@@ -168,12 +178,10 @@ class Release:
             raise PrivacyBudgetExceeded(
                 f"step {nxt} with noise_multiplier=0 (now or earlier) would take epsilon to inf > target_epsilon="
                 f"{eng.target_epsilon:g}; nothing was released. Set a positive noise multiplier.")
-        if nxt <= self.budget_verified:
+        if nxt <= self.budget_verified and not self.accountant.ledger.releases:  # calibration covers steps only
             return
-        trial = accounting.make_accountant(self.accountant.name)
-        trial.load_state_dict(self.accountant.state_dict())
-        trial.step(self.sigma, eng.sample_rate)
-        eps = float(trial.get_epsilon(eng.target_delta))
+        eps = self.accountant.epsilon_after(accounting.PoissonSampledGaussian(self.sigma, eng.sample_rate),
+                                            eng.target_delta)
         if eps > eng.target_epsilon:
             raise PrivacyBudgetExceeded(
                 f"step {nxt} would take epsilon to {eps:.4g} > target_epsilon={eng.target_epsilon:g} "

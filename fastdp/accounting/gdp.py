@@ -34,14 +34,9 @@ from collections.abc import Sequence
 
 from scipy import optimize, special
 
-from fastdp.accounting.base import (
-    Accountant,
-    HistoryEntry,
-    check_delta,
-    check_epsilon,
-    check_noise_multiplier,
-    check_sample_rate,
-)
+from fastdp.accounting.base import Accountant, HistoryEntry
+from fastdp.accounting.checks import check_delta, check_epsilon, check_noise_multiplier, check_sample_rate
+from fastdp.accounting.search import CalibrationPlan
 
 __all__ = ["GDPAccountant", "delta_from_mu", "epsilon_from_mu", "gdp_mu", "mu_from_epsilon_delta"]
 
@@ -170,10 +165,25 @@ class GDPAccountant(Accountant):
     name = "gdp"
 
     def get_mu(self) -> float:
-        """mu of the recorded history (0.0 with no steps)."""
-        return gdp_mu(self._history)
+        """mu of the ledger (0.0 when empty, inf with a release that has no guarantee)."""
+        parts = self.ledger.parts()
+        return math.inf if parts.non_private else gdp_mu(parts.history())
 
-    def _compute_epsilon(self, delta: float) -> float:
-        if any(q < 1.0 for _, q, _ in self._history):
+    def _epsilon(self, history: list[HistoryEntry], delta: float) -> float:
+        if any(q < 1.0 for _, q, _ in history):
             _warn_once()
-        return epsilon_from_mu(self.get_mu(), delta)
+        return epsilon_from_mu(gdp_mu(history), delta)
+
+    def calibration_plan(self, target_epsilon: float, delta: float, sample_rate: float,
+                         steps: int) -> CalibrationPlan:
+        """Closed form: mu* solves delta(target; mu) = delta, then sigma from mu, nudged up (relative steps of
+        1e-9) until epsilon <= target. Warns once (q < 1) that GDP is an approximation."""
+        q = check_sample_rate(sample_rate)
+        if q < 1.0:
+            _warn_once()
+        sigma = sigma_from_mu(mu_from_epsilon_delta(target_epsilon, delta), q, steps)
+        for _ in range(100):
+            if epsilon_from_mu(gdp_mu([(sigma, q, steps)]), delta) <= target_epsilon:
+                return CalibrationPlan(closed_form=sigma)
+            sigma *= 1 + 1e-9
+        raise RuntimeError("GDP calibration failed to find a conservative noise multiplier")

@@ -43,8 +43,10 @@ from typing import NamedTuple
 import numpy as np
 from scipy.fft import next_fast_len
 
-from fastdp.accounting.base import Accountant, HistoryEntry, check_delta
-from fastdp.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon_for_history
+from fastdp.accounting.base import Accountant, HistoryEntry
+from fastdp.accounting.checks import check_delta
+from fastdp.accounting.rdp import DEFAULT_ORDERS, RDPAccountant, rdp_epsilon_for_history
+from fastdp.accounting.search import CalibrationPlan, SearchStage
 
 __all__ = ["PRVAccountant", "PRVFallbackWarning", "PRVResult", "prv_epsilon_for_history"]
 
@@ -57,6 +59,9 @@ MAX_GRID_POINTS = 4_000_000
 MAX_TOTAL_WORK = 8_000_000
 
 DEFAULT_EPS_ERROR = 0.01
+_COARSE_EPS_ERROR = 0.1  # the calibration's cheap first PRV pass
+_CALIBRATION_RTOL = 4e-3  # the calibration's bracket on the PRV sigma: hi / lo - 1 <= this
+_CALIBRATION_TIME_BUDGET_S = 27.0  # stop refining the PRV sigma when another evaluation would overrun this
 
 
 class PRVFallbackWarning(RuntimeWarning):
@@ -235,15 +240,58 @@ class PRVAccountant(Accountant):
         return delta_error
 
     def get_epsilon_bounds(self, delta: float) -> tuple[float, float, float]:
-        """``(eps_lower, eps_estimate, eps_upper)`` for the recorded history (all 0.0 with no steps)."""
+        """``(eps_lower, eps_estimate, eps_upper)`` for the ledger (all 0.0 when empty, all inf when it has a
+        release without a guarantee)."""
         delta = check_delta(delta)
-        if not self._history:
+        parts = self.ledger.parts()
+        if parts.non_private:
+            return math.inf, math.inf, math.inf
+        if not parts.gaussians:
             return 0.0, 0.0, 0.0
-        res = prv_epsilon_for_history(self._history, delta, self.eps_error, self._delta_error(delta))
+        res = prv_epsilon_for_history(parts.history(), delta, self.eps_error, self._delta_error(delta))
         return res.lower, res.estimate, res.upper
 
-    def _compute_epsilon(self, delta: float) -> float:
-        return prv_epsilon_for_history(self._history, delta, self.eps_error, self._delta_error(delta)).upper
+    def _epsilon(self, history: list[HistoryEntry], delta: float) -> float:
+        return prv_epsilon_for_history(history, delta, self.eps_error, self._delta_error(delta)).upper
+
+    def calibration_plan(self, target_epsilon: float, delta: float, sample_rate: float,
+                         steps: int) -> CalibrationPlan:
+        """Three searches: the RDP sigma (the RDP accountant's plan); then a PRV about 10x cheaper
+        (``eps_error = 0.1``; its estimate plus this accountant's ``eps_error`` predicts the fine upper bound to
+        ~1e-3) started at 0.92x the RDP sigma; then this accountant's own upper bound, started just above the
+        coarse answer (usually two evaluations; stops refining after 27 s). Both PRV stages use the log-log slope
+        of the RDP curve at the RDP sigma. The result falls back to RDP (with a :class:`PRVFallbackWarning`)
+        where PRV cannot be used."""
+        rdp_plan = RDPAccountant().calibration_plan(target_epsilon, delta, sample_rate, steps)
+        rdp_f = rdp_plan.stages[-1].epsilon
+        delta_error = self._delta_error(delta)
+        eps_error = self.eps_error
+
+        def coarse(sigma: float) -> float:
+            res = _prv_cached(((sigma, sample_rate, steps),), delta, _COARSE_EPS_ERROR, delta_error)
+            if res.fallback_reason is not None:
+                return res.upper
+            return min(res.estimate + eps_error, rdp_f(sigma))  # the fine result is also capped by RDP
+
+        def fine(sigma: float) -> float:
+            return _prv_cached(((sigma, sample_rate, steps),), delta, eps_error, delta_error).upper
+
+        def finish(sigma: float) -> None:
+            res = _prv_cached(((sigma, sample_rate, steps),), delta, eps_error, delta_error)
+            if res.fallback_reason is not None:
+                warnings.warn(
+                    f"PRV accountant not used at noise_multiplier={sigma:.6g} ({res.fallback_reason}); the "
+                    "calibration used the RDP upper bound instead",
+                    PRVFallbackWarning,
+                    stacklevel=4,
+                )
+
+        rtol = _CALIBRATION_RTOL
+        stages = rdp_plan.stages + (
+            SearchStage(coarse, rtol=2e-3, start=0.92),
+            SearchStage(fine, rtol=rtol, start=1 + rtol / 3, time_budget_s=_CALIBRATION_TIME_BUDGET_S),
+        )
+        return CalibrationPlan(stages=stages, seed=rdp_plan.seed, slope0=rdp_plan.slope0, finish=finish)
 
     def _config(self) -> dict:
         return {"eps_error": self.eps_error, "delta_error": self.delta_error}

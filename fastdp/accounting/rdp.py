@@ -45,13 +45,10 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import special
 
-from fastdp.accounting.base import (
-    Accountant,
-    HistoryEntry,
-    check_delta,
-    check_noise_multiplier,
-    check_sample_rate,
-)
+from fastdp.accounting.base import Accountant, HistoryEntry
+from fastdp.accounting.checks import check_delta, check_noise_multiplier, check_sample_rate
+from fastdp.accounting.gdp import mu_from_epsilon_delta, sigma_from_mu
+from fastdp.accounting.search import CalibrationPlan, SearchStage
 
 __all__ = ["DEFAULT_ORDERS", "RDPAccountant", "compute_rdp", "rdp_epsilon", "rdp_to_epsilon"]
 
@@ -301,18 +298,38 @@ class RDPAccountant(Accountant):
             raise ValueError(f"RDP orders must be a non-empty sequence of numbers > 1, got {orders!r}")
 
     def get_rdp(self) -> np.ndarray:
-        """Total RDP curve of the recorded history, aligned with :attr:`orders`."""
-        return _history_rdp(self._history, self.orders)
+        """Total RDP curve of the ledger, aligned with :attr:`orders` (``inf`` everywhere when the ledger has a
+        release without a guarantee)."""
+        parts = self.ledger.parts()
+        if parts.non_private:
+            return np.full(len(self.orders), np.inf)
+        return _history_rdp(parts.history(), self.orders)
 
     def get_epsilon_and_order(self, delta: float) -> tuple[float, float]:
-        """``(epsilon, optimal order)`` for the recorded history."""
+        """``(epsilon, optimal order)`` for the ledger (``(inf, nan)`` without a guarantee)."""
         delta = check_delta(delta)
-        if not self._history:
+        parts = self.ledger.parts()
+        if parts.non_private:
+            return math.inf, float("nan")
+        if not parts.gaussians:
             return 0.0, float("nan")
-        return rdp_to_epsilon(self.orders, self.get_rdp(), delta)
+        return rdp_to_epsilon(self.orders, _history_rdp(parts.history(), self.orders), delta)
 
-    def _compute_epsilon(self, delta: float) -> float:
-        return rdp_to_epsilon(self.orders, self.get_rdp(), delta)[0]
+    def _epsilon(self, history: list[HistoryEntry], delta: float) -> float:
+        return rdp_to_epsilon(self.orders, _history_rdp(history, self.orders), delta)[0]
+
+    def calibration_plan(self, target_epsilon: float, delta: float, sample_rate: float,
+                         steps: int) -> CalibrationPlan:
+        """Start at 1.15x the GDP closed form (a slight underestimate of the RDP sigma), assumed log-log slope
+        -1.5, one search of this accountant's epsilon (quiet: no boundary warnings) to ``hi/lo - 1 <= 2e-4``."""
+        orders = self.orders
+
+        def f(sigma: float) -> float:
+            return rdp_epsilon_for_history([(sigma, sample_rate, steps)], delta, orders, warn_at_boundary=False)[0]
+
+        seed = sigma_from_mu(mu_from_epsilon_delta(target_epsilon, delta), sample_rate, steps)
+        return CalibrationPlan(stages=(SearchStage(f, rtol=2e-4, start=1.15, measure_slope=True),), seed=seed,
+                               slope0=-1.5)
 
     def _config(self) -> dict:
         return {"orders": list(self.orders)}
