@@ -23,6 +23,8 @@ Heads and decisions (transformers' ``loss/loss_utils.py`` and the models' own fo
   multi-label), exactly what ``loss_reduction="mean"`` assumes -> allowed, after verifying what would break
   it: no integer label equals -100 (an ignored sample changes the divisor), no ``num_items_in_batch``, and the
   engine's ``loss_reduction`` is ``"mean"``;
+* ``return_loss=True`` (CLIP, SigLIP and the other dual encoders): an in-batch contrastive loss, every sample's
+  loss depends on the others -> refused;
 * any other keyword that carries training targets (``label``, ``*_label``, ``*_labels`` except inputs such as
   ``input_labels``) on any Hugging Face model -> refused.
 
@@ -106,6 +108,16 @@ def _targets(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return found
 
 
+def _returns_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call asks the model for its own (in-batch contrastive) loss: ``return_loss`` truthy."""
+    v = kwargs.get("return_loss")
+    if v is None:
+        names = _arg_names(module)
+        if "return_loss" in names and names.index("return_loss") < len(args):
+            v = args[names.index("return_loss")]
+    return bool(v) if isinstance(v, (bool, int)) else False
+
+
 def check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, label: str,
                loss_reduction: str) -> None:
     """Raise ValueError if this call of Hugging Face model ``module`` would compute a loss that mixes samples.
@@ -114,6 +126,15 @@ def check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     """
     if not torch.is_grad_enabled():
         return
+    if _returns_loss(module, args, kwargs):
+        raise ValueError(
+            f"{label!r} ({type(module).__name__}) was called with return_loss=True under a PrivacyEngine. Its "
+            "internal loss is contrastive over the batch (CLIP, SigLIP, ALIGN, ...): each sample's loss depends on "
+            "every other sample of the batch, so per-sample gradients, clipping and the sensitivity bound R do not "
+            "exist for it (removing one sample moves the release by more than R). Call the model without "
+            "return_loss and train with a loss that is a sum of per-sample terms (e.g. a classification head on the "
+            "embeddings, or each sample's own image-text pair only), or use another way than DP-SGD for "
+            "contrastive pre-training.")
     targets = _targets(module, args, kwargs)
     if not targets:
         return
