@@ -188,7 +188,8 @@ class GenericKind(LayerKind):
                 lambda m: _batch_first(m) is False,
                 lambda m: "has batch_first=False: its tensors are (T, B, ...) while fastdp takes dimension 0 as the "
                           "batch, so layers that see them would treat time steps as samples. Fix: construct it with "
-                          "batch_first=True and feed (B, T, ...) tensors", covers_subtree=True),
+                          "batch_first=True and feed (B, T, ...) tensors", covers_subtree=True,
+                example=lambda: nn.MultiheadAttention(4, 2)),
     )
     doc = DocRow(
         "anything else (raw `nn.Parameter`s, `nn.MultiheadAttention`, HF `LlamaRMSNorm`/`T5LayerNorm`, `nn.PReLU`, "

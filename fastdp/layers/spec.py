@@ -40,6 +40,9 @@ class Refusal:
     #: report the module only, not its descendants that the same rule also matches (a TransformerEncoderLayer's
     #: ``self_attn`` shares its ``batch_first``).
     covers_subtree: bool = False
+    #: a module (with trainable parameters) on which the rule fires: the tests check that :mod:`fastdp.validate`
+    #: reports it and the engine refuses it.
+    example: Callable[[], nn.Module] | None = None
 
     def applies(self, module: nn.Module) -> bool:
         """Whether the rule fires on ``module`` as it is now (type, trainable state, configuration)."""

@@ -32,13 +32,15 @@ class EmbeddingKind(LayerKind):
     refusals = (
         Refusal(_EMBEDDINGS, lambda m: m.max_norm is not None,
                 lambda m: f"has max_norm={m.max_norm}: forward renormalises the looked-up rows of the weight in place, "
-                          "so the weight changes with the private data. Fix: max_norm=None"),
+                          "so the weight changes with the private data. Fix: max_norm=None",
+                example=lambda: nn.EmbeddingBag(5, 3, max_norm=1.0)),
         Refusal(_EMBEDDINGS, lambda m: m.scale_grad_by_freq,
                 lambda m: "has scale_grad_by_freq=True: the gradient is scaled by token frequencies over the batch, "
-                          "which mixes samples. Fix: scale_grad_by_freq=False", when_trainable=("weight",)),
+                          "which mixes samples. Fix: scale_grad_by_freq=False", when_trainable=("weight",),
+                example=lambda: nn.Embedding(5, 3, scale_grad_by_freq=True)),
         Refusal(_EMBEDDINGS, lambda m: m.sparse,
                 lambda m: "has sparse=True: sparse gradients are not supported. Fix: sparse=False",
-                when_trainable=("weight",)),
+                when_trainable=("weight",), example=lambda: nn.Embedding(5, 3, sparse=True)),
     )
     doc = DocRow(
         "`nn.Embedding`", "weight",

@@ -19,7 +19,8 @@ class InstanceNormKind(ChannelNormKind):
         Refusal((_InstanceNorm,), lambda m: m.track_running_stats and m.training,
                 lambda m: "has track_running_stats=True in train mode: it updates running statistics from private "
                           "data without noise, and they are released with the model. Fix: construct it with "
-                          "track_running_stats=False"),
+                          "track_running_stats=False",
+                example=lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True)),
     )
     doc = DocRow("`nn.InstanceNorm1d/2d/3d` (affine)", "weight, bias", "instantiated",
                  "as GroupNorm. Refused: `track_running_stats=True` in train mode.")
