@@ -188,8 +188,9 @@ def _model(case: OracleCase) -> nn.Module:
 @pytest.mark.parametrize("j", range(len(CASES)),
                          ids=[f"{type(k).__name__}-{c.name}" for k, c in CASES])
 def test_every_oracle_case_matches_the_oracle(j, mode):
-    """One logical step (three physical batches of 1, 0 and 3 samples with sum reduction, or 1 and 3 with mean
-    reduction or where torch cannot run an empty batch) released with sigma = 0 equals the oracle's clipped sum, in float64 to 1e-6."""
+    """One logical step (three physical batches of 1, 0 and 3 samples with sum reduction; 1 and 3 with mean
+    reduction or where torch cannot run an empty batch) released with sigma = 0 equals the oracle's clipped sum,
+    float64 to 1e-6, with the clipping function and reduction rotating over the grid."""
     kind, case = CASES[j]
     i = MODES.index(mode)
     fn = FNS[(i + j) % len(FNS)]

@@ -162,7 +162,3 @@ class LayerKind:
         """``sum_i coef_i g_i``, shape ``param.shape``; ``coef`` has shape ``(B,)``."""
         psg = self.per_sample_grad(module, ctx, name)
         return torch.einsum("b,b...->...", coef.to(psg.dtype), psg)
-
-    def replay(self, module: nn.Module, activation: torch.Tensor) -> torch.Tensor:
-        """Run the module's forward again on a kept activation (used by GhostClip's second backward)."""
-        return module(activation)
