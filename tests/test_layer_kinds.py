@@ -49,8 +49,10 @@ def _metadata_problems(kind: LayerKind) -> list[str]:
         problems.append(f"{name} declares no oracle_cases()")
     if kind.doc is None:
         problems.append(f"{name} declares no doc row")
-    elif kind.doc.markdown() not in _docs_table_in_docs():
+    elif kind.doc.markdown(kind.refusals) not in _docs_table_in_docs():
         problems.append(f"{name}'s doc row is not in the table of {DOCS.name}")
+    problems += [f"{name}'s refusal rule {k} has no summary or no example" for k, r in enumerate(kind.refusals)
+                 if not r.summary or r.example is None]
     if type(kind).unsupported_reason is not LayerKind.unsupported_reason:
         problems.append(f"{name} overrides unsupported_reason: declare Refusal rules instead, so validate sees them")
     return problems

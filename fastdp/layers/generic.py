@@ -189,14 +189,14 @@ class GenericKind(LayerKind):
                 lambda m: "has batch_first=False: its tensors are (T, B, ...) while fastdp takes dimension 0 as the "
                           "batch, so layers that see them would treat time steps as samples. Fix: construct it with "
                           "batch_first=True and feed (B, T, ...) tensors", covers_subtree=True,
-                example=lambda: nn.MultiheadAttention(4, 2)),
+                example=lambda: nn.MultiheadAttention(4, 2),
+                summary="`batch_first=False` (`nn.MultiheadAttention`, `nn.RNN`/`LSTM`/`GRU`, `nn.Transformer*Layer`)"),
     )
     doc = DocRow(
         "anything else (raw `nn.Parameter`s, `nn.MultiheadAttention`, HF `LlamaRMSNorm`/`T5LayerNorm`, `nn.PReLU`, "
         "`nn.LSTM`, custom modules)", "any", "instantiated by the [generic path](#the-generic-path)",
-        "exact; costs about one extra forward and backward of the owning module. Refused: `batch_first=False` "
-        "(`nn.MultiheadAttention`, `nn.RNN`/`LSTM`/`GRU`, `nn.Transformer*Layer`), and any configuration a kind's "
-        "rule refuses (`nn.EmbeddingBag` with `max_norm`).")
+        "exact; costs about one extra forward and backward of the owning module. Every kind's refusal rule applies "
+        "here too (`nn.EmbeddingBag` with `max_norm`).")
 
     def oracle_cases(self) -> tuple[OracleCase, ...]:
         return (OracleCase("PReLU, C = B", lambda: nn.PReLU(3, init=0.1), (3, 2)),

@@ -97,7 +97,7 @@ def docs_table() -> str:
     from fastdp.layers.generic import GENERIC
 
     rows = ["| layer | parameters | per-sample norm | notes |", "|---|---|---|---|"]
-    rows += [k.doc.markdown() for k in (*_REGISTRY, GENERIC) if k.doc is not None]
+    rows += [k.doc.markdown(k.refusals) for k in (*_REGISTRY, GENERIC) if k.doc is not None]
     return "\n".join(rows)
 
 

@@ -43,6 +43,8 @@ class Refusal:
     #: a module (with trainable parameters) on which the rule fires: the tests check that :mod:`fastdp.validate`
     #: reports it and the engine refuses it.
     example: Callable[[], nn.Module] | None = None
+    #: a few words for the "Refused:" note of the kind's docs row (markdown), e.g. ``"`max_norm`"``.
+    summary: str = ""
 
     def applies(self, module: nn.Module) -> bool:
         """Whether the rule fires on ``module`` as it is now (type, trainable state, configuration)."""
@@ -64,9 +66,12 @@ class DocRow:
     per_sample_norm: str
     notes: str
 
-    def markdown(self) -> str:
-        """The row as one markdown table line."""
-        return f"| {self.layer} | {self.parameters} | {self.per_sample_norm} | {self.notes} |"
+    def markdown(self, refusals: tuple[Refusal, ...] = ()) -> str:
+        """The row as one markdown table line; the ``summary`` of each of ``refusals`` is appended to the notes."""
+        notes = self.notes
+        if refusals:
+            notes += " Refused: " + "; ".join(r.summary for r in refusals) + "."
+        return f"| {self.layer} | {self.parameters} | {self.per_sample_norm} | {notes} |"
 
 
 @dataclass(frozen=True)

@@ -27,16 +27,17 @@ def _train_mode(m: nn.Module) -> str:
 class BatchNormEvalKind(ChannelNormKind):
     module_types = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
     refusals = (
-        Refusal((_BatchNorm,), lambda m: m.training, _train_mode, example=lambda: nn.BatchNorm2d(3)),
+        Refusal((_BatchNorm,), lambda m: m.training, _train_mode, example=lambda: nn.BatchNorm2d(3),
+                summary="train mode (any `_BatchNorm`, `SyncBatchNorm` included)"),
         Refusal((_BatchNorm,), lambda m: not m.training and (m.running_mean is None or m.running_var is None),
                 lambda m: "has track_running_stats=False, so even in eval mode it normalises with statistics of the "
                           "batch (mixes samples). Fix: fastdp.validate.fix(model) replaces it with GroupNorm",
-                example=lambda: nn.BatchNorm1d(3, track_running_stats=False).eval()),
+                example=lambda: nn.BatchNorm1d(3, track_running_stats=False).eval(),
+                summary="`track_running_stats=False` (batch statistics even in eval mode)"),
     )
     doc = DocRow("`nn.BatchNorm1d/2d/3d` in eval mode", "weight, bias", "instantiated",
                  "normalises with its frozen running statistics: a fixed per-channel affine map per sample, so it "
-                 "trains as GroupNorm. Refused: train mode, and `track_running_stats=False` (batch statistics); "
-                 "`fastdp.validate.fix` replaces BatchNorm by GroupNorm.")
+                 "trains as GroupNorm. `fastdp.validate.fix` replaces BatchNorm by GroupNorm.")
 
     def oracle_cases(self) -> tuple[OracleCase, ...]:
         return (OracleCase("2d, C = B", lambda: with_running_statistics(nn.BatchNorm2d(3)), (3, 2, 2)),

@@ -33,21 +33,23 @@ class EmbeddingKind(LayerKind):
         Refusal(_EMBEDDINGS, lambda m: m.max_norm is not None,
                 lambda m: f"has max_norm={m.max_norm}: forward renormalises the looked-up rows of the weight in place, "
                           "so the weight changes with the private data. Fix: max_norm=None",
-                example=lambda: nn.EmbeddingBag(5, 3, max_norm=1.0)),
+                example=lambda: nn.EmbeddingBag(5, 3, max_norm=1.0),
+                summary="`max_norm` (also on `nn.EmbeddingBag`)"),
         Refusal(_EMBEDDINGS, lambda m: m.scale_grad_by_freq,
                 lambda m: "has scale_grad_by_freq=True: the gradient is scaled by token frequencies over the batch, "
                           "which mixes samples. Fix: scale_grad_by_freq=False", when_trainable=("weight",),
-                example=lambda: nn.Embedding(5, 3, scale_grad_by_freq=True)),
+                example=lambda: nn.Embedding(5, 3, scale_grad_by_freq=True), summary="`scale_grad_by_freq=True`"),
         Refusal(_EMBEDDINGS, lambda m: m.sparse,
                 lambda m: "has sparse=True: sparse gradients are not supported. Fix: sparse=False",
-                when_trainable=("weight",), example=lambda: nn.Embedding(5, 3, sparse=True)),
+                when_trainable=("weight",), example=lambda: nn.Embedding(5, 3, sparse=True),
+                summary="`sparse=True`"),
     )
     doc = DocRow(
         "`nn.Embedding`", "weight",
         "ghost norm `Σ_{s,t} 1[x_i[s] = x_i[t]] ⟨G_i[s], G_i[t]⟩` (token-equality mask instead of the activation Gram "
         "matrix) or instantiation by scatter-add into `(B, V, d)`; cost model `2T² < V·d`",
         "integer ids `(B, *)`, never cast; rows of `padding_idx` get no gradient; clipped sum by `index_add` (no "
-        "one-hot). Refused: `max_norm`, `scale_grad_by_freq`, `sparse`.")
+        "one-hot).")
 
     def oracle_cases(self) -> tuple[OracleCase, ...]:
         return (OracleCase("T = B, repeated ids", lambda: nn.Embedding(4, 3), (3,), vocab=4),

@@ -20,10 +20,11 @@ class InstanceNormKind(ChannelNormKind):
                 lambda m: "has track_running_stats=True in train mode: it updates running statistics from private "
                           "data without noise, and they are released with the model. Fix: construct it with "
                           "track_running_stats=False",
-                example=lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True)),
+                example=lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True),
+                summary="`track_running_stats=True` in train mode"),
     )
     doc = DocRow("`nn.InstanceNorm1d/2d/3d` (affine)", "weight, bias", "instantiated",
-                 "as GroupNorm. Refused: `track_running_stats=True` in train mode.")
+                 "as GroupNorm.")
 
     def oracle_cases(self) -> tuple[OracleCase, ...]:
         return (OracleCase("1d, C = B", lambda: randomised_affine(nn.InstanceNorm1d(3, affine=True)), (3, 4)),
