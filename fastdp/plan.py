@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fastdp.layers import generic, kind_for
+from fastdp.layers import generic, kind_for, registry
 from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind
 
@@ -162,6 +162,11 @@ def build_plan(model: nn.Module, extra_owned: Mapping[str, tuple[str, ...]] | No
                        f"no layer kind covers {type(module).__name__}" if kind is None else
                        "it has parameters other than weight and bias")
                 found.append((generic.GENERIC, direct, why))
+        if not found:
+            reason = registry.frozen_reason(module)
+            if reason is not None:
+                raise ValueError(f"module {label!r} ({type(module).__name__}) has no trainable parameter but cannot "
+                                 f"run under a PrivacyEngine: {reason}")
         for kind, plist, why in found:
             if kind is generic.GENERIC:
                 reason = generic.unsupported_reason(module)

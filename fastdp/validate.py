@@ -1,28 +1,14 @@
 """Find modules that prevent private training, and replace BatchNorm by GroupNorm.
 
 Per-sample clipping bounds each example's influence only if the forward pass of example ``i`` depends on example
-``i`` alone, and the released model contains nothing computed from the private data without noise. The checks:
-
-=================================================  =============================================================
-module, configuration                              why it is a problem
-=================================================  =============================================================
-BatchNorm (1d/2d/3d, lazy, SyncBatchNorm) in       normalises with statistics of the batch (mixes samples; across
-train mode                                         processes for SyncBatchNorm) and updates the running statistics
-                                                   from private data without noise
-BatchNorm in eval mode with                        still normalises with batch statistics
-``track_running_stats=False``
-InstanceNorm with ``track_running_stats=True`` in  updates running statistics from private data without noise;
-train mode                                         they are released with the model
-Embedding / EmbeddingBag with ``max_norm``         renormalises the rows looked up by the batch in place during
-                                                   forward: the weight changes with the private data
-Embedding / EmbeddingBag with                      the gradient scale depends on token frequencies over the batch
-``scale_grad_by_freq=True`` (trainable)            (mixes samples)
-Embedding / EmbeddingBag with ``sparse=True``      sparse gradients are not supported
-(trainable)
-MultiheadAttention, TransformerEncoderLayer,       tensors are ``(T, B, ...)`` while fastdp takes dimension 0 as
-TransformerDecoderLayer, RNN/LSTM/GRU with         the batch
-``batch_first=False``
-=================================================  =============================================================
+``i`` alone, and the released model contains nothing computed from the private data without noise. The checks are
+the refusal rules of the layer registry (:func:`fastdp.layers.registry.refusals`), declared by each layer kind in
+its file under ``fastdp/layers/kinds/`` and by the generic path -- the rules the engine applies, so this module
+keeps no copy. At the time of writing they are: BatchNorm (any, SyncBatchNorm and lazy included) in train mode, or
+in eval mode without running statistics; InstanceNorm with ``track_running_stats=True`` in train mode; Embedding /
+EmbeddingBag with ``max_norm``, or (trainable) ``scale_grad_by_freq`` or ``sparse``; MultiheadAttention,
+Transformer encoder/decoder layers and RNNs with ``batch_first=False``. docs/engine.md's supported-layer table
+lists them per layer.
 
 BatchNorm in eval mode with running statistics is fine, whether its affine parameters are frozen or trainable: it
 is a fixed per-channel affine map applied to each sample. Keep it in eval mode: a later ``model.train()`` puts it
@@ -36,84 +22,47 @@ import logging
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
+
+from fastdp.layers.registry import refusals
 
 logger = logging.getLogger(__name__)
 
 #: default upper bound on the number of groups chosen by :func:`fix` (the GroupNorm paper's 32).
 MAX_GROUPS = 32
 
-_BATCH_FIRST_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer,
-                                                   nn.TransformerDecoderLayer, nn.RNNBase)
-
 
 def _where(path: str, module: nn.Module) -> str:
     return f"module {path or '<model>'!r} ({type(module).__name__})"
 
 
-def _batch_first(module: nn.Module) -> bool | None:
-    """``batch_first`` of the module, or of its ``self_attn`` (Transformer layers keep it there); None if unknown."""
-    for m in (module, getattr(module, "self_attn", None)):
-        value = getattr(m, "batch_first", None) if m is not None else None
-        if isinstance(value, bool):
-            return value
-    return None
-
-
-def _requires_grad(module: nn.Module, name: str) -> bool:
-    p = getattr(module, name, None)
-    return isinstance(p, torch.Tensor) and p.requires_grad
-
-
 def find_problems(model: nn.Module) -> list[str]:
     """Human-readable problems that prevent private training of ``model`` in its current modes, one per finding.
 
-    Each message starts with ``module '<path>' (<Type>)`` (``'<model>'`` for the root), says why, and how to fix it.
-    An empty list means none of the checks in the module docstring fired; it does not prove that the model is
-    per-sample (a custom forward or the loss can still mix samples).
+    The checks are the refusal rules of the layer registry (:func:`fastdp.layers.registry.refusals`: every layer
+    kind's and the generic path's), the same the engine applies; each finding is ``module '<path>' (<Type>)``
+    (``'<model>'`` for the root) followed by the rule's message, which says why and how to fix it. A rule with
+    ``covers_subtree`` reports a module but not its descendants that it also matches.
+    An empty list means none of the checks fired; it does not prove that the model is per-sample (a custom forward
+    or the loss can still mix samples).
 
     Raises:
         ValueError: ``model`` is not an ``nn.Module``.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    rules = refusals()
     problems: list[str] = []
-    time_major: list[str] = []
+    reported: dict[int, list[str]] = {}  # rule index -> paths reported by a covers_subtree rule
     for path, m in model.named_modules():
-        where = _where(path, m)
-        if isinstance(m, _BatchNorm):
-            if m.training:
-                mix = ("synchronises batch statistics across processes" if isinstance(m, nn.SyncBatchNorm)
-                       else "normalises with statistics of the batch")
-                problems.append(f"{where} is in train mode: it {mix}, which mixes the samples of a batch (no "
-                                "per-sample gradient exists), and updates running statistics from private data. "
-                                "Fix: fastdp.validate.fix(model) replaces it with GroupNorm; or keep it with "
-                                "frozen statistics: call .eval() on it and freeze its parameters")
-            elif m.running_mean is None:
-                problems.append(f"{where} has track_running_stats=False, so even in eval mode it normalises with "
-                                "statistics of the batch (mixes samples). Fix: fastdp.validate.fix(model) replaces "
-                                "it with GroupNorm")
-        elif isinstance(m, _InstanceNorm):
-            if m.track_running_stats and m.training:
-                problems.append(f"{where} has track_running_stats=True in train mode: it updates running statistics "
-                                "from private data without noise, and they are released with the model. Fix: "
-                                "construct it with track_running_stats=False")
-        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            if m.max_norm is not None:
-                problems.append(f"{where} has max_norm={m.max_norm}: forward renormalises the looked-up rows of the "
-                                "weight in place, so the weight changes with the private data. Fix: max_norm=None")
-            if m.scale_grad_by_freq and _requires_grad(m, "weight"):
-                problems.append(f"{where} has scale_grad_by_freq=True: the gradient is scaled by token frequencies "
-                                "over the batch, which mixes samples. Fix: scale_grad_by_freq=False")
-            if m.sparse and _requires_grad(m, "weight"):
-                problems.append(f"{where} has sparse=True: sparse gradients are not supported. Fix: sparse=False")
-        if isinstance(m, _BATCH_FIRST_TYPES) and _batch_first(m) is False:
-            if any(p == "" or path.startswith(p + ".") for p in time_major):
-                continue  # e.g. the self_attn of a layer already reported
-            time_major.append(path)
-            problems.append(f"{where} has batch_first=False: its tensors are (T, B, ...) while fastdp takes "
-                            "dimension 0 as the batch, so layers that see them would treat time steps as samples. "
-                            "Fix: construct it with batch_first=True and feed (B, T, ...) tensors")
+        for k, rule in enumerate(rules):
+            if not rule.applies(m):
+                continue
+            if rule.covers_subtree:
+                above = reported.setdefault(k, [])
+                if any(p == "" or path.startswith(p + ".") for p in above):
+                    continue  # e.g. the self_attn of a layer already reported
+                above.append(path)
+            problems.append(f"{_where(path, m)} {rule.message(m)}")
     return problems
 
 

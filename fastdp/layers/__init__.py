@@ -1,51 +1,19 @@
-"""Registry of supported layer kinds: module type -> :class:`~fastdp.layers.base.LayerKind`.
+"""Layer kinds: the per-sample gradient math of each supported module family, and the exact generic path.
 
-A module is handled by a kind when its type is one of the kind's ``module_types`` (or is named in its
-``module_type_names``, ``"package.module.Class"``, for classes of optional packages fastdp does not import), or a
-subclass of one that does not override ``forward`` (so the math still describes what it computes). Modules with
-trainable parameters that no kind handles go to the exact generic path (:mod:`fastdp.layers.generic`).
+* :mod:`fastdp.layers.base`: the :class:`LayerKind` interface; :mod:`fastdp.layers.spec`: what a kind declares
+  besides its math (refusal rules, docs row, oracle cases);
+* :mod:`fastdp.layers.registry`: the registry (:func:`register`, :func:`kind_for`, :func:`supported_types`, and the
+  rules, docs table and cases read from it);
+* ``fastdp/layers/kinds/``: one file per kind; every file there is imported here, which registers its kinds;
+* :mod:`fastdp.layers.generic`: parameters no kind covers (the owner's per-sample replay); the other modules are
+  helpers of the engine (ownership, batch dimension, broadcast expansion, checkpointing).
 """
 
 from __future__ import annotations
 
-from torch import nn
-
 from fastdp.layers.base import LayerKind
+from fastdp.layers.registry import discover, kind_for, register, supported_types
 
-_REGISTRY: list[LayerKind] = []
-
-
-def register(kind_cls: type[LayerKind]) -> type[LayerKind]:
-    """Class decorator: add a layer kind to the registry."""
-    _REGISTRY.append(kind_cls())
-    return kind_cls
-
-
-def kind_for(module: nn.Module) -> LayerKind | None:
-    """The kind that handles ``module``, or ``None`` if no supported kind does."""
-    mtype = type(module)
-    for kind in _REGISTRY:
-        for base in kind.module_types:
-            if mtype is base or (issubclass(mtype, base) and mtype.forward is base.forward):
-                return kind
-        if kind.module_type_names:
-            for base in mtype.__mro__:
-                if _qualified(base) in kind.module_type_names and mtype.forward is base.forward:
-                    return kind
-    return None
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def supported_types() -> list[str]:
-    """Names of the supported module classes (for error messages and docs)."""
-    return [t.__name__ for kind in _REGISTRY for t in kind.module_types] + [
-        n.rpartition(".")[2] for kind in _REGISTRY for n in kind.module_type_names]
-
-
-# Importing the kind modules registers them.
-from fastdp.layers import conv, embedding, hf_conv1d, linear, norms  # noqa: E402,F401
+discover()
 
 __all__ = ["LayerKind", "kind_for", "register", "supported_types"]

@@ -93,9 +93,3 @@ def inner(u: Factors, v: Factors, dtype: torch.dtype) -> torch.Tensor:
     B = gl.shape[0]
     n = gl.shape[1] * gl.shape[2] * gl.shape[3]  # explicit: B may be 0 (empty batch)
     return torch.bmm(gl.reshape(B, 1, n), gr.reshape(B, n, 1)).reshape(B)
-
-
-def pair_cost(u: Factors, v: Factors) -> int:
-    """Multiply-adds of :func:`inner` per sample and group: ``T_u T_v (m + n)``."""
-    g, m, n = u.layout
-    return u.positions * v.positions * (m + n)

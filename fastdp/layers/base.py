@@ -18,8 +18,11 @@ From these, per parameter ``name`` of the module, a kind gives
 Kinds first turn ``(activation, grad_output)`` into a kind-specific context with :meth:`prepare`, computed once per
 recorded call and shared by all three operations.
 
-Adding a layer type means writing one subclass in its own file and decorating it with
-:func:`fastdp.layers.register`.
+Adding a layer type means writing one subclass in its own file under ``fastdp/layers/kinds/``, decorated with
+:func:`fastdp.layers.register`; the file also declares the kind's :attr:`LayerKind.refusals`, its
+:attr:`LayerKind.doc` row and its :meth:`LayerKind.oracle_cases` (:mod:`fastdp.layers.spec`). Nothing else lists
+kinds: the package imports every file of that folder, and validate, the docs table and the oracle test read the
+registry.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from fastdp.layers._factored import Factors
+from fastdp.layers.spec import DocRow, OracleCase, Refusal
 
 #: dtypes computed in float32 for norms and sums (mixed precision).
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -79,9 +83,23 @@ class LayerKind:
     replayable: ClassVar[bool] = True
     #: qualified class names (``"package.module.Class"``) of optional packages' modules this kind handles.
     module_type_names: ClassVar[tuple[str, ...]] = ()
+    #: configurations of (possibly wider) module types that cannot be trained privately; the only source of the
+    #: refusal rules (:meth:`unsupported_reason`, :mod:`fastdp.validate`).
+    refusals: ClassVar[tuple[Refusal, ...]] = ()
+    #: the kind's row of the supported-layer table (docs/reference/layers.md).
+    doc: ClassVar[DocRow | None] = None
+
+    def oracle_cases(self) -> tuple[OracleCase, ...]:
+        """Tiny configurations the tests run against the brute-force oracle in every clipping mode."""
+        return ()
 
     def unsupported_reason(self, module: nn.Module) -> str | None:
-        """Why this module's configuration cannot be trained privately, or ``None`` if it can."""
+        """Why this module's configuration cannot be trained privately (the first of :attr:`refusals` that fires,
+        as ``"it <message>"``), or ``None`` if it can. Kinds declare rules rather than override this, so that
+        :mod:`fastdp.validate` sees the same rules."""
+        for rule in self.refusals:
+            if rule.applies(module):
+                return f"it {rule.message(module)}"
         return None
 
     def needs_activation(self, module: nn.Module, trainable: frozenset[str]) -> bool:
@@ -144,7 +162,3 @@ class LayerKind:
         """``sum_i coef_i g_i``, shape ``param.shape``; ``coef`` has shape ``(B,)``."""
         psg = self.per_sample_grad(module, ctx, name)
         return torch.einsum("b,b...->...", coef.to(psg.dtype), psg)
-
-    def replay(self, module: nn.Module, activation: torch.Tensor) -> torch.Tensor:
-        """Run the module's forward again on a kept activation (used by GhostClip's second backward)."""
-        return module(activation)

@@ -37,9 +37,11 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fastdp.layers import registry
 from fastdp.layers.base import LayerKind, replay_autocast, to_accumulation
 from fastdp.layers.checkpointing import plain_checkpoints
 from fastdp.layers.owners import parametrizations_frozen
+from fastdp.layers.spec import DocRow, OracleCase, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +68,17 @@ def subtree_owner(module: nn.Module) -> tuple[str, ...] | None:
 
 
 def unsupported_reason(module: nn.Module) -> str | None:
-    """Why the generic path cannot own ``module``'s parameters, or ``None``."""
-    if isinstance(module, nn.MultiheadAttention) and not module.batch_first:
-        return ("batch_first=False: fastdp needs the batch dimension first; build it with batch_first=True (and "
-                "nn.TransformerEncoderLayer/DecoderLayer with batch_first=True)")
-    if isinstance(module, nn.RNNBase) and not module.batch_first:
-        return "batch_first=False: fastdp needs the batch dimension first; build it with batch_first=True"
+    """Why the generic path cannot own ``module``'s parameters, or ``None``: the first rule of the whole registry
+    (:func:`fastdp.layers.registry.refusals`, the kinds' and :attr:`GenericKind.refusals`) that applies to it."""
+    return registry.unsupported_reason(module)
+
+
+def _batch_first(module: nn.Module) -> bool | None:
+    """``batch_first`` of the module, or of its ``self_attn`` (Transformer layers keep it there); None if unknown."""
+    for m in (module, getattr(module, "self_attn", None)):
+        value = getattr(m, "batch_first", None) if m is not None else None
+        if isinstance(value, bool):
+            return value
     return None
 
 
@@ -170,9 +177,31 @@ def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int,
 
 
 class GenericKind(LayerKind):
-    """Per-sample gradients of an owner's parameters by a vmapped per-sample replay (see the module docstring)."""
+    """Per-sample gradients of an owner's parameters by a vmapped per-sample replay (see the module docstring).
+
+    Not registered (it handles what no registered kind does), but it declares refusals, a docs row and oracle cases
+    as the kinds do."""
 
     replayable = False  # GhostClip's layer-local replay does not apply; the kind keeps its per-sample gradients
+    refusals = (
+        Refusal((nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase),
+                lambda m: _batch_first(m) is False,
+                lambda m: "has batch_first=False: its tensors are (T, B, ...) while fastdp takes dimension 0 as the "
+                          "batch, so layers that see them would treat time steps as samples. Fix: construct it with "
+                          "batch_first=True and feed (B, T, ...) tensors", covers_subtree=True, frozen_too=False,
+                example=lambda: nn.MultiheadAttention(4, 2),
+                summary="`batch_first=False` (`nn.MultiheadAttention`, `nn.RNN`/`LSTM`/`GRU`, `nn.Transformer*Layer`)"),
+    )
+    doc = DocRow(
+        "anything else (raw `nn.Parameter`s, `nn.MultiheadAttention`, HF `LlamaRMSNorm`/`T5LayerNorm`, `nn.PReLU`, "
+        "`nn.LSTM`, custom modules)", "any", "instantiated by the [generic path](../internals/generic-path.md)",
+        "exact; costs about one extra forward and backward of the owning module. Every kind's refusal rule applies "
+        "here too (`nn.EmbeddingBag` with `max_norm`).")
+
+    def oracle_cases(self) -> tuple[OracleCase, ...]:
+        return (OracleCase("PReLU, C = B", lambda: nn.PReLU(3, init=0.1), (3, 2)),
+                OracleCase("LSTM, T = B", lambda: nn.LSTM(2, 2, batch_first=True), (3, 2)),
+                OracleCase("EmbeddingBag", lambda: nn.EmbeddingBag(5, 2, mode="sum"), (3,), vocab=5))
 
     def batch_size(self, activation: Any, grad_output: torch.Tensor | None) -> int:
         return activation.batch

@@ -1,51 +1,5 @@
-"""Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT): a Linear layer with a transposed weight.
+"""Moved to :mod:`fastdp.layers.kinds.hf_conv1d` (one file per layer kind); these names stay importable."""
 
-Input ``(B, *, d)``, output ``(B, *, p)``, ``y = x W + b`` with ``W`` of shape ``(d, p)``. The per-sample weight
-gradient is ``g_i = A_i^T G_i`` (``d x p``), the transpose of :mod:`fastdp.layers._matmul`'s ``G_i^T A_i``: the
-ghost norm is the same, instantiation and the book-keeping contraction are transposed. The class is matched by its
-qualified name, so fastdp does not import transformers.
-"""
+from fastdp.layers.kinds.hf_conv1d import HFConv1DKind
 
-from __future__ import annotations
-
-import math
-from typing import Any
-
-import torch
-from torch import nn
-
-from fastdp.layers import _matmul, register
-from fastdp.layers._factored import Factors
-from fastdp.layers.base import to_accumulation
-
-
-@register
-class HFConv1DKind(_matmul.OuterProductKind):
-    module_type_names = ("transformers.pytorch_utils.Conv1D",)
-
-    def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
-        if grad_output.dim() < 2:
-            raise ValueError(f"Conv1D input has no batch dimension (output {tuple(grad_output.shape)})")
-        B, p = grad_output.shape[0], grad_output.shape[-1]
-        T = math.prod(grad_output.shape[1:-1])  # explicit: B may be 0 (empty batch)
-        G = to_accumulation(grad_output).reshape(B, 1, T, p)
-        A = None if activation is None else to_accumulation(activation).reshape(B, 1, T, activation.shape[-1])
-        return A, G
-
-    def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
-        A, G = ctx
-        if name == "bias":
-            return super().factors(module, ctx, name)
-        return Factors(A, G)
-
-    def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
-        if name == "bias":
-            return super().per_sample_grad(module, ctx, name)
-        A, G = ctx
-        return torch.einsum("bgtd,bgtp->bdp", A, G)
-
-    def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
-        if name == "bias":
-            return super().clipped_sum(module, ctx, name, coef)
-        A, G = ctx
-        return _matmul.clipped_sum(G, A, coef).reshape(module.weight.shape)
+__all__ = ["HFConv1DKind"]

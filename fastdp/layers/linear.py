@@ -1,33 +1,5 @@
-"""``nn.Linear`` with any number of leading dimensions: input ``(B, *, d)``, output ``(B, *, p)``.
+"""Moved to :mod:`fastdp.layers.kinds.linear` (one file per layer kind); these names stay importable."""
 
-Positions ``T`` are all dimensions between the batch and the features. Weight ``(p, d)``: see
-:mod:`fastdp.layers._matmul`. Bias ``(p,)``: ``g_i = sum_t G_i[t]`` (no activation needed).
-"""
+from fastdp.layers.kinds.linear import LinearKind
 
-from __future__ import annotations
-
-import math
-from typing import Any
-
-import torch
-from torch import nn
-
-from fastdp.layers import _matmul, register
-from fastdp.layers.base import to_accumulation
-
-
-@register
-class LinearKind(_matmul.OuterProductKind):
-    module_types = (nn.Linear,)
-
-    def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
-        B, p = grad_output.shape[0], grad_output.shape[-1]
-        if grad_output.dim() < 2:
-            raise ValueError(
-                f"{type(module).__name__} input has no batch dimension (output {tuple(grad_output.shape)})")
-        T = math.prod(grad_output.shape[1:-1])  # explicit: B may be 0 (empty batch)
-        G = to_accumulation(grad_output).reshape(B, 1, T, p)
-        A = None
-        if activation is not None:
-            A = to_accumulation(activation).reshape(B, 1, T, activation.shape[-1])
-        return A, G
+__all__ = ["LinearKind"]
