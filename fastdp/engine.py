@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,7 +42,7 @@ from fastdp.clipping import group_threshold, resolve_groups
 from fastdp.config import default_delta
 from fastdp.plan import Plan, build_plan
 from fastdp.probe import StructureError
-from fastdp.release import ATTACHED, PrivacyBudgetExceeded, Release, register_other_step_hook
+from fastdp.release import ATTACHED, PrivacyBudgetExceeded, Release, check_optimizer, register_other_step_hook
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +270,7 @@ class PrivacyEngine:
         if others:
             raise RuntimeError(engine_registry.conflict_message(
                 self._trainable.values(), {id(p): n for n, p in self._trainable.items()}, others))
-        self._check_optimizer(optimizer, allow_frozen=False)
+        check_optimizer(self, optimizer, allow_frozen=False)
         self.optimizer = optimizer
         engine_registry.register(self)
         self._capture.install()
@@ -319,19 +318,6 @@ class PrivacyEngine:
         self.optimizer = None
         engine_registry.unregister(self)
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer, *, allow_frozen: bool) -> None:
-        """Every tensor the optimizer updates must be trainable (at :meth:`attach`), or, once training runs, a
-        parameter of the model (frozen ones get ``.grad = None`` and are skipped by the optimizer)."""
-        ours = {id(p) for p in (self.model.parameters() if allow_frozen else self._trainable.values())}
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in ours:
-                    raise ValueError(
-                        f"the optimizer's param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not "
-                        "a trainable parameter of the engine's model (frozen, or from another model); it would "
-                        "be updated without clipping or noise. Build the optimizer from the trainable parameters "
-                        "of this model only.")
-
     # ------------------------------------------------------------------ steps
     def empty_step(self) -> None:
         """Take a step for an empty logical batch without a forward pass: noise only, counted by the accountant.
@@ -355,21 +341,7 @@ class PrivacyEngine:
         ``enforce_budget`` every further step is checked against ``target_epsilon`` (the calibration no longer
         covers them), and a ``sigma = 0`` step is refused.
         """
-        if self._release.holds_gradients():
-            raise RuntimeError("set_noise_multiplier() with gradients accumulated for the next step; call it "
-                               "after optimizer.step() and before the next backward pass")
-        if not (isinstance(noise_multiplier, (int, float)) and not isinstance(noise_multiplier, bool)
-                and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-            raise ValueError(f"noise_multiplier={noise_multiplier!r} must be a finite number >= 0")
-        if noise_multiplier == 0:
-            warnings.warn("noise_multiplier=0.0: the next steps are clipped but not noised, so training is NOT "
-                          "differentially private from now on (epsilon is infinite).", stacklevel=2)
-        rel = self._release
-        if float(noise_multiplier) != rel.sigma:
-            rel.budget_verified = min(rel.budget_verified, rel.steps)  # the calibration covered the old sigma
-        logger.info("noise_multiplier %g -> %g from step %d", self.noise_multiplier, noise_multiplier,
-                    self.steps + 1)
-        rel.sigma = float(noise_multiplier)
+        self._release.set_sigma(noise_multiplier)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

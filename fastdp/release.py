@@ -19,6 +19,7 @@ It may touch: ``.grad`` of the model's parameters in the optimizer's step pre-ho
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 import weakref
 from typing import Any
@@ -115,6 +116,24 @@ class Release:
         """The seam for distributed training: one process today, so the local sums are the step's sums."""
         return sums
 
+    def set_sigma(self, noise_multiplier: float) -> None:
+        """``PrivacyEngine.set_noise_multiplier``: sigma from the next step on (checked; the budget look-ahead
+        resumes, since the calibration covered the old sigma only)."""
+        if self.holds_gradients():
+            raise RuntimeError("set_noise_multiplier() with gradients accumulated for the next step; call it "
+                               "after optimizer.step() and before the next backward pass")
+        if not (isinstance(noise_multiplier, (int, float)) and not isinstance(noise_multiplier, bool)
+                and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier={noise_multiplier!r} must be a finite number >= 0")
+        if noise_multiplier == 0:
+            warnings.warn("noise_multiplier=0.0: the next steps are clipped but not noised, so training is NOT "
+                          "differentially private from now on (epsilon is infinite).", stacklevel=3)
+        if float(noise_multiplier) != self.sigma:
+            self.budget_verified = min(self.budget_verified, self.steps)  # the calibration covered the old sigma
+        logger.info("noise_multiplier %g -> %g from step %d", self.sigma, noise_multiplier,
+                    self.step_number)
+        self.sigma = float(noise_multiplier)
+
     # ------------------------------------------------------------------ the step
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The attached optimizer's step pre-hook: check, noise, account (see the module docstring)."""
@@ -125,7 +144,7 @@ class Release:
                                "loss.backward() yourself, then optimizer.step()")
         if not eng._capture.roots:
             eng._capture.recover()
-        eng._check_optimizer(optimizer, allow_frozen=True)
+        check_optimizer(eng, optimizer, allow_frozen=True)
         self._check_trainable_unchanged()
         if not self.backward_seen and not self.empty_step:
             raise RuntimeError(
@@ -246,6 +265,20 @@ class Release:
             "its detach() (fastdp.engines_on(model) finds it).")
 
 
+def check_optimizer(engine: Any, optimizer: torch.optim.Optimizer, *, allow_frozen: bool) -> None:
+    """Every tensor the optimizer updates must be trainable (at :meth:`attach`), or, once training runs, a
+    parameter of the model (frozen ones get ``.grad = None`` and are skipped by the optimizer)."""
+    ours = {id(p) for p in (engine.model.parameters() if allow_frozen else engine.plan.trainable.values())}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in ours:
+                raise ValueError(
+                    f"the optimizer's param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not "
+                    "a trainable parameter of the engine's model (frozen, or from another model); it would "
+                    "be updated without clipping or noise. Build the optimizer from the trainable parameters "
+                    "of this model only.")
+
+
 def register_other_step_hook(release: Release) -> Any:
     """Install :meth:`Release.other_step` as a global optimizer step pre-hook that holds the release stage weakly
     (a global hook must not keep an engine and its model alive); it is removed by ``detach`` or with the engine."""
@@ -261,4 +294,4 @@ def register_other_step_hook(release: Release) -> Any:
     return handle
 
 
-__all__ = ["ATTACHED", "PrivacyBudgetExceeded", "Release", "register_other_step_hook"]
+__all__ = ["ATTACHED", "PrivacyBudgetExceeded", "Release", "check_optimizer", "register_other_step_hook"]

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from fastdp.modes import CLIPPING_MODES
+
 ABADI_EPS = 1e-6
 AUTOMATIC_GAMMA = 0.01
 
@@ -287,7 +289,7 @@ def plain_gradient(model: nn.Module, per_sample_loss: Callable, batches, reducti
 # =========================================================================== engine harness
 # (helpers shared by tests/test_engine_*.py; they only use the public contract of PrivacyEngine)
 
-MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
+MODES = list(CLIPPING_MODES)  # every clipping mode (fastdp.modes), default first
 FNS = ["abadi", "automatic", "global"]
 STYLES = ["all-layer", "layer-wise", "param-wise", "explicit"]
 

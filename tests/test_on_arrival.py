@@ -17,9 +17,9 @@ from torch import nn
 from fastdp import capture as capture_mod
 from fastdp import clipped_sums, norms
 from fastdp.layers import kind_for
-from fastdp.modes import get_mode
+from fastdp.modes import CLIPPING_MODES, get_mode
 
-MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
+MODES = list(CLIPPING_MODES)
 
 
 class Seq(nn.Module):

@@ -17,8 +17,9 @@ from oracle import ABADI_EPS, make_engine, oracle_release, released_grads, run_e
 from torch import nn
 
 from fastdp import StructureError
+from fastdp.modes import CLIPPING_MODES
 
-MODES = ("BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate")
+MODES = CLIPPING_MODES
 R = 0.05  # small enough that every sample is clipped: wrong per-sample gradients change the release
 
 
