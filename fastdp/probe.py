@@ -89,6 +89,7 @@ _SEED = 0x5EED
 #: parameters are compared relative to at least this fraction of the largest per-sample gradient norm of any parameter
 _FLOOR = 1e-3
 _ENGINE_FAILED = "engine pass"  # the engine's capture or book-keeping raised (left to the real pass)
+_LOST_BATCH = "batch dimension lost"  # the engine's expansions left no output of leading size B
 
 
 class StructureError(RuntimeError):
@@ -253,6 +254,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     engine._probing = True
     engine._probe_broadcast, engine._probe_outside = [], []
     broadcast = engine_failed = False
+    suspects: list[str] = []
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
             with DeterministicDropout() as det:
@@ -268,6 +270,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                     findings = _run(engine, model, args, kwargs, B)
             broadcast = bool(engine._probe_broadcast)
             engine_failed = bool(engine._probe_outside)  # the real pass raises the outside use itself
+            suspects = _labels(model, engine._probe_broadcast)
             if findings and broadcast:
                 if _fallback(engine, model, args, kwargs, B):
                     findings = []
@@ -283,7 +286,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
         return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
     if findings:
-        raise StructureError(_message(engine, findings, B, sig, random_ops))
+        raise StructureError(_message(engine, findings, B, sig, random_ops, suspects))
     engine._probe_seen.add(sig)
     stats["signatures"] = len(engine._probe_seen)
     logger.info("structure probe passed (batch %d, %d probe samples, %.3fs)", B, len(_probe_indices(B)),
@@ -355,6 +358,11 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                     str(e).splitlines()[0][:200] if str(e) else "")
         return [Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")]
     if res is None:
+        if engine._probe_broadcast:  # the expansions changed what the model computes (x.chunk(2), torch.cat)
+            return [Finding(_LOST_BATCH, "", math.inf, detail=(
+                f"after the engine expanded the outputs of leading size 1 of "
+                f"{_labels(model, engine._probe_broadcast)} to the batch size {B}, no output of the model that "
+                f"requires grad has leading size {B}"))]
         logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
         return []
     batch_out, idx, cots, rows, total, weights = res
@@ -503,11 +511,25 @@ def _rows(records: list[Any], param_of: dict[tuple[int, str], nn.Parameter], par
     return {i: [acc[p][k] if p in acc else None for p in params] for k, i in enumerate(indices)}
 
 
-def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str]) -> str:
+def _labels(model: nn.Module, modules: Sequence[nn.Module]) -> list[str]:
+    """The names of ``modules`` in ``model`` (``<root>`` for the model), sorted, without repeats."""
+    name_of = {id(m): n or "<root>" for n, m in model.named_modules()}
+    return sorted({name_of[id(m)] for m in modules if id(m) in name_of})
+
+
+def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str],
+             suspects: Sequence[str] = ()) -> str:
     owner = {n: (n.rpartition(".")[0] or "<root>") for n in engine._trainable}
     worst = sorted(findings, key=lambda f: -f.error)[:5]
     params = sorted({f.where.strip("'") for f in findings if f.where.strip("'") in owner})
-    modules = sorted({owner[n] for n in params})
+    if not params and suspects:  # a pass failed: the expanded modules' parameters are the ones at stake
+        params = sorted(n for n in owner if owner[n] in suspects)
+    modules = sorted({owner[n] for n in params} | set(suspects))
+    exp = (f"\nThe engine expanded outputs of leading size 1 of modules {list(suspects)[:8]} to the batch size "
+           f"{B} (taken as one value shared by the batch), and replaying those modules' parameters per sample from "
+           "their ancestors, up to the whole model, did not pass either: an output of leading size 1 there is a "
+           "part of the batch (a chunk of one sample, x.chunk(2) of an odd batch) or is combined with the batch "
+           "along dimension 0 (torch.cat), not a broadcast value." if suspects else "")
     lines = "\n".join(f"  - {f.line()}" for f in worst)
     more = f" (and {len(findings) - len(worst)} more)" if len(findings) > len(worst) else ""
     rnd = (f"\nRandom operations other than dropout ran in forward ({sorted(random_ops)}); the probe was retried in "
@@ -516,7 +538,7 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
         f"structure probe: the engine's per-sample gradients of this model do not match a brute-force batch-of-one "
         f"computation (batch size {B}), so training would not be private as stated. Parameters: "
         f"{params[:8]}{'...' if len(params) > 8 else ''}; modules: {modules[:8]}{'...' if len(modules) > 8 else ''}.\n"
-        f"Evidence{more}:\n{lines}{rnd}\n"
+        f"Evidence{more}:\n{lines}{rnd}{exp}\n"
         "Likely causes: the batch axis is not the first dimension of the model's first tensor input (a "
         "sequence-first model: pass batch_first inputs); the model mixes samples (x.chunk/split over the batch, "
         "BatchNorm, reordering or any cross-sample operation); a forward hook changes a layer's output; an output of "
