@@ -45,7 +45,7 @@ from fastdp.bookkeeping import (
     instantiate_on_arrival,
 )
 from fastdp.clipping import get_clipping_fn, group_threshold, resolve_groups
-from fastdp.layers import batchdim, checkpointing, expand, generic, kind_for
+from fastdp.layers import batchdim, checkpointing, expand, generic, kind_for, layout
 from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.noise import noisy_mean, secure_noisy_mean
@@ -243,6 +243,8 @@ class PrivacyEngine:
         self._probe_outside: list[nn.Module] = []  # modules whose parameters the probe's pass saw used outside them
         #: module name -> parameter paths it owns on the generic path (the probe's fallback for broadcast outputs)
         self._extra_owned: dict[str, tuple[str, ...]] = {}
+        #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
+        self._owner_layouts = layout.OwnerLayouts()
         #: structure probe cost: {"probes": runs, "signatures": verified signatures, "seconds": time, "eval_retries"}
         self.probe_stats: dict[str, Any] = {"probes": 0, "signatures": 0, "seconds": 0.0, "eval_retries": 0}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -607,6 +609,8 @@ class PrivacyEngine:
         except batchdim.AmbiguousBatchError:
             self._forward_batch.append(None)  # popped by _root_post, which runs also when this pre-hook raises
             raise
+        if len(self._forward_ids) == 1:
+            self._owner_layouts.start()  # the size rule, unless the probe knows this call's signature
         if (self.verify_structure and B is not None and B >= 1 and not self._probing and not self._in_bookkeeping
                 and torch.is_grad_enabled() and len(self._forward_ids) == 1 and not self._paused):
             try:
@@ -693,6 +697,7 @@ class PrivacyEngine:
         B = self._batch()
         if B is None:
             B = batchdim.infer_batch_size(args, kwargs, where=label)
+        k_call, lay = self._owner_layouts.next_call(module, args, kwargs, output)  # learned by the probe, or None
         if exp is not None and exp.verified and exp.batch != B:
             exp.reason = f"batch size {exp.batch} at the call's start, {B} at its end"
         if exp is not None and not exp.verified:
@@ -713,7 +718,7 @@ class PrivacyEngine:
             if d is not None and B is not None and leaf.shape[d] == B:  # batch dimension declared by the owner
                 hooked.append(j)
                 out_dims.append(d)
-            elif d is None and B is not None and leaf.shape[0] == B:
+            elif d is None and B is not None and leaf.shape[0] == B and (lay is None or j not in lay.shared_out):
                 hooked.append(j)
                 out_dims.append(0)
             elif d is None and B is not None and generic.is_broadcast(leaf, B):
@@ -739,10 +744,11 @@ class PrivacyEngine:
                 f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
                 "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "
                 "cannot be attributed to samples. Freeze them, or return per-sample outputs.")
-        args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module)
+        args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module, lay.shared_in if lay else ())
         call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
                                    outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
-                                   label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims)
+                                   label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims,
+                                   call_index=k_call)
         rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
                      autocast=call.autocast, forward=self._current_forward())
         call.grads.extend([None] * len(hooked))

@@ -79,7 +79,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fastdp.bookkeeping import ClipConfig, _clipped_sums
+from fastdp.layers import generic, layout
 from fastdp.layers.base import autocast_state
+from fastdp.layers.generic import GENERIC
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +239,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     a mismatch. Called by the engine's root forward pre-hook."""
     sig = signature(args, kwargs, B, model.training)
     if sig in engine._probe_seen:
+        engine._owner_layouts.start(sig)  # the generic owners' layouts learned for this signature
         return
     t0 = time.perf_counter()
     flat = tree_flatten((args, kwargs))[0]
@@ -288,6 +291,8 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     if findings:
         raise StructureError(_message(engine, findings, B, sig, random_ops, suspects))
     engine._probe_seen.add(sig)
+    engine._owner_layouts.by_signature[sig] = engine._probe_learned
+    engine._owner_layouts.start(sig)
     stats["signatures"] = len(engine._probe_seen)
     logger.info("structure probe passed (batch %d, %d probe samples, %.3fs)", B, len(_probe_indices(B)),
                 time.perf_counter() - t0)
@@ -347,16 +352,16 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     names = list(engine._trainable)
     params = [engine._trainable[n] for n in names]
     indices = _probe_indices(B)
-    # a. engine pass
+    engine._probe_learned = {}
+    # a. engine pass (forward and backward; its generic owners' replays wait for the layouts learned in b.)
+    engine._owner_layouts.start()  # the size rule; the layouts learned below are applied to its records
     try:
         _restore_buffers(engine._probe_buffers)
-        res = _engine_pass(engine, model, args, kwargs, B, params, indices)
+        res = _engine_pass(engine, model, args, kwargs, B)
     except (torch.OutOfMemoryError, MemoryError):
         raise  # not a finding about the structure: the caller halves the batch and retries (probed again)
     except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the user's or the engine's)
-        logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
-                    str(e).splitlines()[0][:200] if str(e) else "")
-        return [Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")]
+        return [_engine_failed(e)]
     if res is None:
         if engine._probe_broadcast:  # the expansions changed what the model computes (x.chunk(2), torch.cat)
             return [Finding(_LOST_BATCH, "", math.inf, detail=(
@@ -365,36 +370,109 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                 f"requires grad has leading size {B}"))]
         logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
         return []
-    batch_out, idx, cots, rows, total, weights = res
+    batch_out, idx, cots, records, gen = res
     findings: list[Finding] = []
-    # b. references
+    # b. references; the generic owners' calls on a batch of one tell which of their tensors are per sample
     refs: dict[int, list[torch.Tensor | None]] = {}
-    for i in indices:
-        a_i, k_i = _slice(args, kwargs, B, i)
-        try:
-            _restore_buffers(engine._probe_buffers)
-            with _Inert(engine):
-                out_i = model(*a_i, **k_i)
-                leaves_i = tree_flatten(out_i)[0]
-                ys = [leaves_i[j] if j < len(leaves_i) else None for j in idx]
-                shapes_ok = all(isinstance(y, torch.Tensor) and y.requires_grad and tuple(y.shape) == (1, *p.shape[1:])
-                                for y, p in zip(ys, batch_out, strict=True))
-                if not shapes_ok:
-                    got = [tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__ for y in ys]
-                    findings.append(Finding("batch of one", "", math.inf, i,
-                                            f"outputs {got} on a batch of one, expected leading size 1 and the "
-                                            f"batch's other sizes {[tuple(p.shape) for p in batch_out]}"))
-                    continue
-                for j, y, p in zip(idx, ys, batch_out, strict=True):
-                    err = _out_err(y, p[i:i + 1])
-                    if err > _rtol(p.dtype):
-                        findings.append(Finding("output", f"leaf {j}", err, i, "sample alone != its row in the batch"))
-                refs[i] = _grads(_dot([c[i:i + 1] for c in cots], ys), params)
-        except Exception as e:  # noqa: BLE001 - reported as the finding
-            findings.append(Finding("batch of one", "", math.inf, i,
-                                    f"the model fails on a batch of one sample: {type(e).__name__}: {e}"))
+    recorder = layout.Recorder([m for _, m, kind, _ in engine._hooked if kind is GENERIC])
+    ref_calls = []
+    try:
+        for i in indices:
+            recorder.restart()
+            _reference(engine, model, args, kwargs, B, i, idx, batch_out, cots, params, refs, findings)
+            ref_calls.append(recorder.restart())
+    finally:
+        recorder.close()
     if findings and all(f.check == "batch of one" for f in findings):
+        _free(records)
         return findings
+    # the engine's per-sample gradients (with the learned layouts) and its clipping mode's weighted sum
+    learned = layout.learn(ref_calls, B) if len(ref_calls) == len(indices) else {}
+    try:
+        findings += _apply_layouts(records, learned, B)
+        rows, total, weights = _engine_sums(engine, records, params, indices, B, gen)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the real pass raises the same error
+        return [_engine_failed(e)]
+    finally:
+        _free(records)
+    engine._probe_learned = learned
+    return findings + _compare(engine, names, params, indices, rows, refs, total, weights)
+
+
+def _engine_failed(e: BaseException) -> Finding:
+    logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "")
+    return Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")
+
+
+def _free(records: list[Any]) -> None:
+    for r in records:
+        r.ctx = None
+
+
+def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.OwnerLayout], B: int) -> list[Finding]:
+    """Give the engine pass's generic records the learned layouts (as the real pass's calls get them): shared inputs
+    are not sliced per sample; an output learned to have no batch dimension is not hooked (a gradient that reached
+    it cannot be attributed: a finding, as the real pass would raise)."""
+    findings = []
+    for rec in records:
+        call = rec.activation
+        if rec.kind is not GENERIC or call.expanded:
+            continue
+        lay = learned.get((id(rec.module), call.call_index))
+        if lay is None or lay.spec_in != layout.leading_sizes((call.args, call.kwargs))[0]:
+            continue
+        call.in_dims = generic.capture_inputs(call.args, call.kwargs, B, rec.module, shared=lay.shared_in)[2]
+        drop = [k for k, j in enumerate(call.leaf_index) if j in lay.shared_out]
+        for k in reversed(drop):
+            g = call.grads[k]
+            if g is not None and bool(g.any()):
+                findings.append(Finding("output without batch dimension", repr(call.label), math.inf, detail=(
+                    f"output {call.leaf_index[k]} of {call.label!r} has leading size {B} only by coincidence (not "
+                    "1 on a batch of one) and received a gradient")))
+            for lst in (call.leaf_index, call.outputs, call.grads, call.out_dims):
+                if k < len(lst):
+                    del lst[k]
+    return findings
+
+
+def _reference(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int, i: int,
+               idx: list[int], batch_out: list[torch.Tensor], cots: list[torch.Tensor], params: list[nn.Parameter],
+               refs: dict[int, list[torch.Tensor | None]], findings: list[Finding]) -> None:
+    """The model on sample ``i`` alone, every engine hook inert: its outputs against row ``i`` of the batch's, and
+    the gradient ``r_i`` of ``sum_j <V_j[i], y_j(x_i)>`` into ``refs[i]``; disagreements into ``findings``."""
+    a_i, k_i = _slice(args, kwargs, B, i)
+    try:
+        _restore_buffers(engine._probe_buffers)
+        with _Inert(engine):
+            out_i = model(*a_i, **k_i)
+            leaves_i = tree_flatten(out_i)[0]
+            ys = [leaves_i[j] if j < len(leaves_i) else None for j in idx]
+            shapes_ok = all(isinstance(y, torch.Tensor) and y.requires_grad and tuple(y.shape) == (1, *p.shape[1:])
+                            for y, p in zip(ys, batch_out, strict=True))
+            if not shapes_ok:
+                got = [tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__ for y in ys]
+                findings.append(Finding("batch of one", "", math.inf, i,
+                                        f"outputs {got} on a batch of one, expected leading size 1 and the "
+                                        f"batch's other sizes {[tuple(p.shape) for p in batch_out]}"))
+                return
+            for j, y, p in zip(idx, ys, batch_out, strict=True):
+                err = _out_err(y, p[i:i + 1])
+                if err > _rtol(p.dtype):
+                    findings.append(Finding("output", f"leaf {j}", err, i, "sample alone != its row in the batch"))
+            refs[i] = _grads(_dot([c[i:i + 1] for c in cots], ys), params)
+    except Exception as e:  # noqa: BLE001 - reported as the finding
+        findings.append(Finding("batch of one", "", math.inf, i,
+                                f"the model fails on a batch of one sample: {type(e).__name__}: {e}"))
+
+
+def _compare(engine: Any, names: list[str], params: list[nn.Parameter], indices: list[int],
+             rows: dict[int, list[torch.Tensor | None]], refs: dict[int, list[torch.Tensor | None]],
+             total: list[torch.Tensor | None], weights: dict[int, float]) -> list[Finding]:
+    """c. The engine's per-sample gradients and weighted sum against the references."""
+    findings: list[Finding] = []
     # c. compare; a parameter whose gradients are mathematically ~0 (a key bias under softmax) is compared with an
     # absolute floor of _FLOOR times the largest per-sample gradient norm of any parameter
     norms = [float(t.detach().double().norm()) for r in (*rows.values(), *refs.values()) for t in r
@@ -430,11 +508,12 @@ def _rtol(dtype: torch.dtype) -> float:
     return tol
 
 
-def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,
-                 params: list[nn.Parameter], indices: list[int]) -> tuple[Any, ...] | None:
+def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 B: int) -> tuple[Any, ...] | None:
     """The model with the engine's hooks capturing into a separate session; seeded cotangents on its batched
-    outputs; per-sample rows for ``indices`` and, by the engine's clipping mode, the sum weighted by random
-    factors on ``indices`` (zero elsewhere). ``None`` if no output has a batch dimension."""
+    outputs, backward. Returns ``(detached batched outputs, their leaf indices, cotangents, reached records, the
+    private generator)``, or ``None`` if no output has a batch dimension."""
+    params = list(engine._trainable.values())
     gen = torch.Generator().manual_seed(_SEED)
     saved_pending, saved_stats = engine._pending, {k: dict(v) for k, v in engine.generic_stats.items()}
     saved_off = set(engine._expand_off)
@@ -464,6 +543,13 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         engine.generic_stats.update(saved_stats)
         engine._expand_off.clear()
         engine._expand_off.update(saved_off)
+    return [y.detach() for y in ys], idx, cots, records, gen
+
+
+def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], indices: list[int], B: int,
+                 gen: torch.Generator) -> tuple[Any, ...]:
+    """From the engine pass's records: per-sample rows for ``indices`` and, by the engine's clipping mode, the sum
+    weighted by random factors on ``indices`` (zero elsewhere)."""
     w = torch.zeros(B, dtype=torch.float64)
     w[indices] = torch.rand(len(indices), generator=gen, dtype=torch.float64) + 0.5
     weights = {i: float(w[i]) for i in indices}
@@ -477,9 +563,7 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         total = [res.get(p) for p in params]
     finally:
         engine._in_bookkeeping = False
-        for r in records:
-            r.ctx = None
-    return [y.detach() for y in ys], idx, cots, rows, total, weights
+    return rows, total, weights
 
 
 def _rows(records: list[Any], param_of: dict[tuple[int, str], nn.Parameter], params: list[nn.Parameter],
