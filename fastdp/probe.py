@@ -387,7 +387,7 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         _free(records)
         return findings
     # the engine's per-sample gradients (with the learned layouts) and its clipping mode's weighted sum
-    learned = layout.learn(ref_calls, B) if len(ref_calls) == len(indices) else {}
+    learned = layout.learn(ref_calls, _batch_calls(records), B) if len(ref_calls) == len(indices) else {}
     try:
         findings += _apply_layouts(records, learned, B)
         rows, total, weights = _engine_sums(engine, records, params, indices, B, gen)
@@ -412,6 +412,18 @@ def _free(records: list[Any]) -> None:
         r.ctx = None
 
 
+def _batch_calls(records: list[Any]) -> dict[tuple[int, int], layout.CallShapes]:
+    """The shapes of the engine pass's generic owner calls (inputs; hooked outputs as the engine kept them)."""
+    out = {}
+    for rec in records:
+        call = rec.activation
+        if rec.kind is GENERIC and not call.expanded and call.call_index >= 0:
+            spec_in, shapes_in = layout.shapes((call.args, call.kwargs))
+            out[(id(rec.module), call.call_index)] = layout.CallShapes(
+                spec_in, shapes_in, "", {j: tuple(o.shape) for j, o in zip(call.leaf_index, call.outputs, strict=True)})
+    return out
+
+
 def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.OwnerLayout], B: int) -> list[Finding]:
     """Give the engine pass's generic records the learned layouts (as the real pass's calls get them): shared inputs
     are not sliced per sample; an output learned to have no batch dimension is not hooked (a gradient that reached
@@ -422,7 +434,7 @@ def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.Own
         if rec.kind is not GENERIC or call.expanded:
             continue
         lay = learned.get((id(rec.module), call.call_index))
-        if lay is None or lay.spec_in != layout.leading_sizes((call.args, call.kwargs))[0]:
+        if lay is None:
             continue
         call.in_dims = generic.capture_inputs(call.args, call.kwargs, B, rec.module, shared=lay.shared_in)[2]
         drop = [k for k, j in enumerate(call.leaf_index) if j in lay.shared_out]

@@ -6,12 +6,12 @@ tensor shared by the batch has a leading size that equals ``B`` by coincidence: 
 receives a ``(T, T)`` mask and ``(T, d)`` position tables, taken as batched when ``B == T`` (the replay check then
 refuses the step, so a run under Poisson sampling stops at the first batch of size ``T``).
 
-The structure probe (:mod:`fastdp.probe`) runs the model on a batch of one sample: there every per-sample tensor has
-leading size 1, and a shared tensor keeps its size. For each generic owner call (the ``k``-th call of that owner in
-one forward pass of the model), :func:`learn` compares the call on the batch with the same call on the batch of one:
+The structure probe (:mod:`fastdp.probe`) runs the model on the batch (``B > 1``) and on a batch of one sample:
+a per-sample tensor has size ``B`` along its batch dimension in one and 1 in the other, so its shapes differ, and a
+shared tensor has the same shape in both. For each generic owner call (the ``k``-th call of that owner in one
+forward pass of the model), :func:`learn` compares the call on the batch with the same call on the batch of one:
 
-* an input tensor whose leading size in the batch-of-one pass is not 1 is **shared** (never batched, whatever its
-  leading size in the batch);
+* an input tensor of the same shape in both is **shared** (never batched, whatever its leading size);
 * likewise an output tensor: it has no batch dimension (its gradient cannot be attributed to samples).
 
 The table is kept per input signature (:func:`fastdp.probe.signature`) and used for every later call with that
@@ -42,24 +42,25 @@ class OwnerLayout:
     spec_out: str
 
 
-def leading_sizes(tree: Any) -> tuple[str, list[int | None]]:
-    """``(str(tree spec), [leading size of each leaf: None for a non-tensor or a 0-dim tensor])``."""
+def shapes(tree: Any) -> tuple[str, list[tuple[int, ...] | None]]:
+    """``(str(tree spec), [shape of each leaf: None for a non-tensor or a 0-dim tensor])``."""
     flat, spec = tree_flatten(tree)
-    return str(spec), [x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None for x in flat]
+    return str(spec), [tuple(x.shape) if isinstance(x, torch.Tensor) and x.dim() >= 1 else None for x in flat]
 
 
 @dataclass
 class CallShapes:
-    """The leading sizes of one owner call's inputs and outputs (see :func:`leading_sizes`)."""
+    """The shapes of one owner call's input and output leaves (see :func:`shapes`; for a call on the batch, the
+    outputs the engine hooked only, by leaf index)."""
 
     spec_in: str
-    sizes_in: list[int | None]
+    shapes_in: list[tuple[int, ...] | None]
     spec_out: str
-    sizes_out: list[int | None]
+    shapes_out: dict[int, tuple[int, ...] | None]
 
 
 class Recorder:
-    """Temporary forward hooks on the generic owners that record, per ``(id(owner), k)``, the leading sizes of the
+    """Temporary forward hooks on the generic owners that record, per ``(id(owner), k)``, the shapes of the
     ``k``-th call's inputs and outputs (calls under grad mode only, as the engine counts them). Used by the probe on
     its batch-of-one passes; :meth:`close` removes the hooks."""
 
@@ -79,9 +80,9 @@ class Recorder:
             return
         k = self._counts.get(id(module), 0)
         self._counts[id(module)] = k + 1
-        spec_in, sizes_in = leading_sizes((tuple(args), dict(kwargs)))
-        spec_out, sizes_out = leading_sizes(output)
-        self.calls[(id(module), k)] = CallShapes(spec_in, sizes_in, spec_out, sizes_out)
+        spec_in, shapes_in = shapes((tuple(args), dict(kwargs)))
+        spec_out, shapes_out = shapes(output)
+        self.calls[(id(module), k)] = CallShapes(spec_in, shapes_in, spec_out, dict(enumerate(shapes_out)))
 
     def close(self) -> None:
         for h in self._handles:
@@ -89,20 +90,22 @@ class Recorder:
         self._handles.clear()
 
 
-def learn(refs: list[dict[tuple[int, int], CallShapes]], batch: int) -> dict[tuple[int, int], OwnerLayout]:
-    """The layout of every owner call seen alike in all batch-of-one passes ``refs`` (one per probe sample): a
-    tensor whose leading size there is not 1 is shared. Empty at ``batch <= 1`` (a batch of one cannot tell)."""
+def learn(refs: list[dict[tuple[int, int], CallShapes]], calls: dict[tuple[int, int], CallShapes],
+          batch: int) -> dict[tuple[int, int], OwnerLayout]:
+    """The layout of every owner call on the batch (``calls``) seen alike, with the same tree structure, in all
+    batch-of-one passes ``refs`` (one per probe sample): a tensor of the same shape in both is shared. Empty at
+    ``batch <= 1`` (a batch of one cannot tell)."""
     if batch <= 1 or not refs:
         return {}
     out: dict[tuple[int, int], OwnerLayout] = {}
-    for key, c in refs[0].items():
-        if any(r.get(key) != c for r in refs[1:]):
-            continue  # the probe samples disagree (data-dependent structure): keep the size rule
-
-        def shared(sizes: list[int | None]) -> frozenset[int]:
-            return frozenset(j for j, s in enumerate(sizes) if s is not None and s != 1)
-
-        out[key] = OwnerLayout(shared(c.sizes_in), shared(c.sizes_out), c.spec_in, c.spec_out)
+    for key, b in calls.items():
+        r = refs[0].get(key)
+        if r is None or any(x.get(key) != r for x in refs[1:]) or r.spec_in != b.spec_in:
+            continue  # not seen alike (data-dependent structure): keep the size rule
+        shared_in = frozenset(j for j, (s, t) in enumerate(zip(b.shapes_in, r.shapes_in, strict=True))
+                              if s is not None and s == t)
+        shared_out = frozenset(j for j, s in b.shapes_out.items() if s is not None and s == r.shapes_out.get(j))
+        out[key] = OwnerLayout(shared_in, shared_out, r.spec_in, r.spec_out)
     return out
 
 
@@ -133,4 +136,4 @@ class OwnerLayouts:
         return k, lay
 
 
-__all__ = ["CallShapes", "OwnerLayout", "OwnerLayouts", "Recorder", "leading_sizes", "learn"]
+__all__ = ["CallShapes", "OwnerLayout", "OwnerLayouts", "Recorder", "learn", "shapes"]
