@@ -28,6 +28,11 @@ b. *reference*: per probe sample ``i``, the model with every engine hook inert o
    outputs, the gradient ``r_i`` of ``sum_j <V_j[i], y_j(x_i)>`` must equal the engine's ``g_i``, and
    ``sum_i w_i r_i`` must equal the clipping mode's weighted sum (this catches rescaling hooks, parameters
    released as zero or counted twice, a mode's contraction that disagrees with instantiation, even at ``B = 1``).
+   The engine pass's generic owners are replayed (for ``g_i`` and the weighted sum) only after the references:
+   each owner call's batch-of-one twin tells which of its tensors are per sample (a tensor of the same shape in
+   both is shared, whatever its leading size: :mod:`fastdp.layers.layout`), and that layout is applied to the
+   engine pass's records, kept for the signature, and used by every later call with it (``B == T`` or any other
+   coincidence inside the model does not decide).
 
 A model that fails on a batch of one (``x.chunk(2)`` unpacked into two halves) is refused. A failure of the engine's
 pass (an error the engine raises itself: a weight used outside its module, layers that saw different batch sizes)
@@ -38,7 +43,10 @@ parameter used outside its module -- ``wpe(position_ids)[0]``, HF DeBERTa-v2 rel
 tuning -- those modules' parameters are given to an ancestor on the exact generic path (its per-sample replay
 differentiates only them; the forward is untouched) and the probe runs again; the ancestor moves up one level per
 try (all suspects together, possibly up to the root: exact, but the replay then re-runs the whole model per sample),
-until the probe passes or the root failed too (then the owners are restored and the failure is reported).
+until the probe passes or the root failed too (then the owners are restored and the failure is reported, naming
+the modules whose outputs were expanded). An expansion after which no output of the model has leading size ``B``
+(``x.chunk(2)`` of an odd batch: the last chunk, one sample, was expanded to ``B`` rows; ``torch.cat`` along dim 0
+of a broadcast position embedding and the batch) is such a failure, not "nothing to verify".
 
 Errors are relative to the largest per-sample gradient norm of the parameter (``_PROBE_RTOL`` per dtype). On a
 mismatch the engine raises :class:`StructureError` naming the worst parameters, the evidence and the fix. If the

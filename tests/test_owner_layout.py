@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_oracle import LABELS, V, ClsWrap, check_engine, cls_batches, cls_loss
+from model_oracle import LABELS, ClsWrap, V, check_engine, cls_batches, cls_loss
 from oracle import make_engine, mse_per_sample
 from torch import nn
 
