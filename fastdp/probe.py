@@ -266,6 +266,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     engine._probe_broadcast, engine._probe_outside = [], []
     broadcast = engine_failed = False
     suspects: list[str] = []
+    fell_back: bool | None = None
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
             with DeterministicDropout() as det:
@@ -283,7 +284,8 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             engine_failed = bool(engine._probe_outside)  # the real pass raises the outside use itself
             suspects = _labels(model, engine._probe_broadcast)
             if findings and broadcast:
-                if _fallback(engine, model, args, kwargs, B):
+                fell_back = _fallback(engine, model, args, kwargs, B)
+                if fell_back:
                     findings = []
     finally:
         engine._probing = False
@@ -297,7 +299,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
         return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
     if findings:
-        raise StructureError(_message(engine, findings, B, sig, random_ops, suspects))
+        raise StructureError(_message(engine, findings, B, sig, random_ops, suspects, fell_back is False))
     engine._probe_seen.add(sig)
     engine._owner_layouts.by_signature[sig] = engine._probe_learned
     engine._owner_layouts.start(sig)
@@ -306,13 +308,13 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                 time.perf_counter() - t0)
 
 
-def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool:
+def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool | None:
     """Broadcast outputs were expanded and the probe failed (e.g. ``wpe(position_ids)[0]``, or the expansion broke
     the model): stop expanding them by making an ancestor the generic owner of their parameters (the ancestor's
     per-sample replay differentiates only those; the forward is untouched), nearest first, and probe again. Returns
-    whether some ancestor passed; otherwise the owners are restored."""
+    whether some ancestor passed (the owners are restored otherwise), ``None`` if it could not be tried."""
     if engine._pending or any(m is model for _, m, _, _ in engine._hooked):
-        return False  # pending records of the old owners / the root's pre-hooks already ran for this call
+        return None  # pending records of the old owners / the root's pre-hooks already ran for this call
     name_of = {id(m): n for n, m in model.named_modules()}
     trainable = {id(p) for p in engine._trainable.values()}
     saved = dict(engine._extra_owned)
@@ -622,18 +624,19 @@ def _labels(model: nn.Module, modules: Sequence[nn.Module]) -> list[str]:
 
 
 def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str],
-             suspects: Sequence[str] = ()) -> str:
+             suspects: Sequence[str] = (), fell_back: bool = False) -> str:
     owner = {n: (n.rpartition(".")[0] or "<root>") for n in engine._trainable}
     worst = sorted(findings, key=lambda f: -f.error)[:5]
     params = sorted({f.where.strip("'") for f in findings if f.where.strip("'") in owner})
     if not params and suspects:  # a pass failed: the expanded modules' parameters are the ones at stake
         params = sorted(n for n in owner if owner[n] in suspects)
     modules = sorted({owner[n] for n in params} | set(suspects))
+    retry = (", and replaying those modules' parameters per sample from their ancestors, up to the whole model, did "
+             "not pass either" if fell_back else "")
     exp = (f"\nThe engine expanded outputs of leading size 1 of modules {list(suspects)[:8]} to the batch size "
-           f"{B} (taken as one value shared by the batch), and replaying those modules' parameters per sample from "
-           "their ancestors, up to the whole model, did not pass either: an output of leading size 1 there is a "
-           "part of the batch (a chunk of one sample, x.chunk(2) of an odd batch) or is combined with the batch "
-           "along dimension 0 (torch.cat), not a broadcast value." if suspects else "")
+           f"{B} (taken as one value shared by the batch){retry}: if such an output is a part of the batch (a chunk "
+           "of one sample, x.chunk(2) of an odd batch) or is combined with the batch along dimension 0 (torch.cat), "
+           "it is not a broadcast value." if suspects else "")
     lines = "\n".join(f"  - {f.line()}" for f in worst)
     more = f" (and {len(findings) - len(worst)} more)" if len(findings) > len(worst) else ""
     rnd = (f"\nRandom operations other than dropout ran in forward ({sorted(random_ops)}); the probe was retried in "

@@ -1,0 +1,82 @@
+"""The structure probe takes back broadcast expansions that lose the batch dimension (fastdp/probe.py), vs the oracle.
+
+A layer output of leading size 1 is taken as one value for the whole batch and expanded to ``(B, ...)``. Two models
+for which that is false used to be refused by a shape error from inside torch that named nothing: ``x.chunk(2)`` of
+an odd batch (the last chunk is ONE sample; expanded, the model got ``B + 1`` rows) and ``torch.cat`` along dim 0 of
+a broadcast position embedding with the batch (``2B - 1`` rows). The probe now sees that no output of the model has
+leading size ``B`` after its expansions, and its fallback replays the expanded modules' parameters from an ancestor
+(the forward untouched): exact in every clipping mode (the judge of tests/layout_oracle.py: float64 brute-force
+oracle, 1e-6). A model that couples samples through such a concatenation is refused by a
+:class:`fastdp.StructureError` that names the expanded module, why, and the fix, before anything is released.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layout_oracle import assert_exact_or_refused
+from oracle import MODES, make_engine, mse_per_sample
+from test_layout_fuzz import _case
+from torch import nn
+
+from fastdp import StructureError
+
+D = torch.float64
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout,relation", [("chunk:batch", "distinct"), ("chunk:batch", "T==1"),
+                                             ("pos:cat0", "distinct"), ("pos:cat0", "B==T")])
+def test_expansion_taken_back_exact(layout, relation, mode):
+    model, batches, reduction, bs = _case(layout, relation)
+    assert assert_exact_or_refused(model, mse_per_sample, batches, reduction=reduction, batch_size=bs,
+                                   mode=mode, expect="exact") == "exact"
+
+
+def test_fallback_is_logged_and_kept(caplog):
+    """The fallback is visible: a warning naming the modules and their new owner, and ``engine._extra_owned``."""
+    model, batches, reduction, bs = _case("pos:cat0", "distinct")
+    engine = make_engine(model, batch_size=bs)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    (x, y), = batches
+    with caplog.at_level("WARNING", logger="fastdp.probe"):
+        mse_per_sample(model(x), y).mean().backward()
+    assert "pe" in caplog.text and "<root>" in caplog.text
+    assert engine._extra_owned == {"": ("pe.weight",)}
+    engine.detach()
+
+
+class CatCouple(nn.Module):
+    """ids (B, T) -> token embedding; the (1, T, d) position embedding concatenated before the batch along dim 0; every
+    row gets the position row AND the batch mean (couples samples: no per-sample gradient exists)."""
+
+    def __init__(self, V=11, T=5, d=6, C=7):
+        super().__init__()
+        self.tok, self.pe = nn.Embedding(V, d), nn.Embedding(T + 2, d)
+        self.mid, self.out = nn.Linear(d, d), nn.Linear(d, C)
+
+    def forward(self, ids):
+        pos = self.pe(torch.arange(ids.shape[1])[None])
+        z = torch.cat([pos, self.tok(ids)], 0)
+        h = z[1:] + z[:1] + z[1:].mean(0, keepdim=True)
+        return self.out(torch.tanh(self.mid(h)))
+
+
+def test_refusal_names_the_expanded_module():
+    torch.manual_seed(0)
+    model = CatCouple().to(D)
+    engine = make_engine(model, batch_size=3)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids, y = torch.randint(0, 11, (3, 5)), torch.randn(3, 5, 7, dtype=D)
+    with pytest.raises(StructureError) as ei:
+        mse_per_sample(model(ids), y).mean().backward()
+        opt.step()
+    msg = str(ei.value)
+    assert "'pe'" in msg and "pe.weight" in msg  # the module and its parameter
+    assert "expanded outputs of leading size 1" in msg and "did not pass either" in msg  # what fastdp saw and tried
+    assert "Fix:" in msg
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert engine._extra_owned == {}  # the fallback's owners were restored
+    engine.detach()
