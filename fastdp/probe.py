@@ -100,6 +100,7 @@ _SEED = 0x5EED
 _FLOOR = 1e-3
 _ENGINE_FAILED = "engine pass"  # the engine's capture or book-keeping raised (left to the real pass)
 _LOST_BATCH = "batch dimension lost"  # the engine's expansions left no output of leading size B
+_SUB_BATCH = "part of the batch"  # layers saw fewer rows than the batch (x.chunk(2))
 
 
 class StructureError(RuntimeError):
@@ -381,6 +382,13 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
         return []
     batch_out, idx, cots, records, gen = res
+    sub = _sub_batches(records, B)
+    if sub:  # layers that saw a part of the batch (x.chunk(2)): suspects for the fallback, as expanded outputs are
+        engine._probe_broadcast.extend(m for m, _ in sub)
+        _free(records)
+        return [Finding(_SUB_BATCH, "", math.inf, detail=(
+            f"layers {_labels(model, [m for m, _ in sub])} saw {sorted({n for _, n in sub})} rows of a batch of "
+            f"{B} (a part of the batch, e.g. x.chunk(2)): their rows cannot be attributed to samples by position"))]
     findings: list[Finding] = []
     # b. references; the generic owners' calls on a batch of one tell which of their tensors are per sample
     refs: dict[int, list[torch.Tensor | None]] = {}
@@ -409,6 +417,18 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         _free(records)
     engine._probe_learned = learned
     return findings + _compare(engine, names, params, indices, rows, refs, total, weights)
+
+
+def _sub_batches(records: list[Any], B: int) -> list[tuple[nn.Module, int]]:
+    """Layer-kind calls of the engine pass that saw more than one but fewer than ``B`` rows (``(module, rows)``)."""
+    out = []
+    for rec in records:
+        if rec.kind is GENERIC:
+            continue
+        n = rec.batch if rec.psg is not None else rec.kind.batch_size(rec.activation, rec.grad_output)
+        if 1 < n < B:
+            out.append((rec.module, n))
+    return out
 
 
 def _engine_failed(e: BaseException) -> Finding:
@@ -633,10 +653,11 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
     modules = sorted({owner[n] for n in params} | set(suspects))
     retry = (", and replaying those modules' parameters per sample from their ancestors, up to the whole model, did "
              "not pass either" if fell_back else "")
-    exp = (f"\nThe engine expanded outputs of leading size 1 of modules {list(suspects)[:8]} to the batch size "
-           f"{B} (taken as one value shared by the batch){retry}: if such an output is a part of the batch (a chunk "
-           "of one sample, x.chunk(2) of an odd batch) or is combined with the batch along dimension 0 (torch.cat), "
-           "it is not a broadcast value." if suspects else "")
+    exp = (f"\nModules {list(suspects)[:8]} do not see the batch as the engine assumes: it expanded their outputs of "
+           f"leading size 1 to the batch size {B} (taken as one value shared by the batch), or they saw fewer rows "
+           f"than the batch{retry}. An output of leading size 1 that is a part of the batch (a chunk of one sample, "
+           "x.chunk(2) of an odd batch) or is combined with the batch along dimension 0 (torch.cat) is not a "
+           "broadcast value, and the rows of a part of the batch are not the samples' rows." if suspects else "")
     lines = "\n".join(f"  - {f.line()}" for f in worst)
     more = f" (and {len(findings) - len(worst)} more)" if len(findings) > len(worst) else ""
     rnd = (f"\nRandom operations other than dropout ran in forward ({sorted(random_ops)}); the probe was retried in "

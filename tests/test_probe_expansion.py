@@ -5,7 +5,8 @@ for which that is false used to be refused by a shape error from inside torch th
 an odd batch (the last chunk is ONE sample; expanded, the model got ``B + 1`` rows) and ``torch.cat`` along dim 0 of
 a broadcast position embedding with the batch (``2B - 1`` rows). The probe now sees that no output of the model has
 leading size ``B`` after its expansions, and its fallback replays the expanded modules' parameters from an ancestor
-(the forward untouched): exact in every clipping mode (the judge of tests/layout_oracle.py: float64 brute-force
+(the forward untouched). Likewise layers that saw a part of the batch (the chunks of an even batch, 2 rows each of
+4): exact in every clipping mode, at B = 3 (chunks 2 + 1), 4 (2 + 2) and 5 (3 + 2) alike (the judge of tests/layout_oracle.py: float64 brute-force
 oracle, 1e-6). A model that couples samples through such a concatenation is refused by a
 :class:`fastdp.StructureError` that names the expanded module, why, and the fix, before anything is released.
 """
@@ -26,6 +27,7 @@ D = torch.float64
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout,relation", [("chunk:batch", "distinct"), ("chunk:batch", "T==1"),
+                                             ("chunk:batch", "B==d"), ("chunk:batch", "B==T"),
                                              ("pos:cat0", "distinct"), ("pos:cat0", "B==T")])
 def test_expansion_taken_back_exact(layout, relation, mode):
     model, batches, reduction, bs = _case(layout, relation)
@@ -75,7 +77,7 @@ def test_refusal_names_the_expanded_module():
         opt.step()
     msg = str(ei.value)
     assert "'pe'" in msg and "pe.weight" in msg  # the module and its parameter
-    assert "expanded outputs of leading size 1" in msg and "did not pass either" in msg  # what fastdp saw and tried
+    assert "expanded their outputs of leading size 1" in msg and "did not pass either" in msg  # what it saw, tried
     assert "Fix:" in msg
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert engine._extra_owned == {}  # the fallback's owners were restored
