@@ -406,13 +406,18 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         return findings
     # the engine's per-sample gradients (with the learned layouts) and its clipping mode's weighted sum
     learned = layout.learn(ref_calls, _batch_calls(records), B) if len(ref_calls) == len(indices) else {}
+    changed = False
     try:
-        findings += _apply_layouts(records, learned, B)
-        rows, total, weights = _engine_sums(engine, records, params, indices, B, gen)
+        kept, found, changed = _apply_layouts(records, learned, B)
+        findings += found
+        rows, total, weights = _engine_sums(engine, kept, params, indices, B, gen)
     except (torch.OutOfMemoryError, MemoryError):
         raise
-    except Exception as e:  # noqa: BLE001 - the real pass raises the same error
-        return [_engine_failed(e)]
+    except Exception as e:  # noqa: BLE001 - the real pass raises the same error (with the size rule: see below)
+        f = _engine_failed(e)
+        if changed:  # the learned layout changed the records: the real pass may not raise it, so refuse here
+            f.check = "per-sample replay with the learned layout"
+        return [*findings, f]
     finally:
         _free(records)
     engine._probe_learned = learned
@@ -454,30 +459,41 @@ def _batch_calls(records: list[Any]) -> dict[tuple[int, int], layout.CallShapes]
     return out
 
 
-def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.OwnerLayout], B: int) -> list[Finding]:
-    """Give the engine pass's generic records the learned layouts (as the real pass's calls get them): shared inputs
-    are not sliced per sample; an output learned to have no batch dimension is not hooked (a gradient that reached
-    it cannot be attributed: a finding, as the real pass would raise)."""
-    findings = []
+def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.OwnerLayout],
+                   B: int) -> tuple[list[Any], list[Finding], bool]:
+    """Give the engine pass's generic records the learned layouts, as the real pass's calls get them: shared inputs
+    are not sliced per sample; an output learned to have no batch dimension is not hooked. Returns the records left
+    (a call left without hooked outputs is dropped: the real pass refuses it at its forward), findings (a gradient
+    that reached such an output, such a call: the real pass would refuse them) and whether anything changed."""
+    findings, kept, changed = [], [], False
     for rec in records:
         call = rec.activation
-        if rec.kind is not GENERIC or call.expanded:
-            continue
-        lay = learned.get((id(rec.module), call.call_index))
+        lay = None if rec.kind is not GENERIC or call.expanded else learned.get((id(rec.module), call.call_index))
         if lay is None:
+            kept.append(rec)
             continue
-        call.in_dims = generic.capture_inputs(call.args, call.kwargs, B, rec.module, shared=lay.shared_in)[2]
+        dims = generic.capture_inputs(call.args, call.kwargs, B, rec.module, shared=lay.shared_in)[2]
+        changed |= tree_flatten(dims)[0] != tree_flatten(call.in_dims)[0]
+        call.in_dims = dims
         drop = [k for k, j in enumerate(call.leaf_index) if j in lay.shared_out]
+        changed |= bool(drop)
         for k in reversed(drop):
             g = call.grads[k]
             if g is not None and bool(g.any()):
                 findings.append(Finding("output without batch dimension", repr(call.label), math.inf, detail=(
-                    f"output {call.leaf_index[k]} of {call.label!r} has leading size {B} only by coincidence (not "
-                    "1 on a batch of one) and received a gradient")))
+                    f"output {call.leaf_index[k]} of {call.label!r} has the same shape on a batch of one (its leading "
+                    f"size is {B} by coincidence) and received a gradient, which cannot be attributed to samples")))
             for lst in (call.leaf_index, call.outputs, call.grads, call.out_dims):
                 if k < len(lst):
                     del lst[k]
-    return findings
+        if call.leaf_index:
+            kept.append(rec)
+        else:
+            findings.append(Finding("output without batch dimension", repr(call.label), math.inf, detail=(
+                f"module {call.label!r} owns trainable parameters {sorted(call.names)} but none of its outputs has a "
+                f"batch dimension (their leading size is {B} by coincidence: the same shape on a batch of one), so "
+                "their gradients cannot be attributed to samples; freeze them, or return per-sample outputs")))
+    return kept, findings, changed
 
 
 def _reference(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int, i: int,

@@ -191,3 +191,45 @@ def test_learn_rule():
     spec2, _ = layout.shapes(((torch.zeros(1),), {}))
     assert layout.learn([{(7, 0): layout.CallShapes(spec2, [(1,)], "s", {})}], batch, 4) == {}
     assert layout.learn([ref], batch, 1) == {}
+
+
+class PosTable(nn.Module):
+    """A generic owner whose only output has no batch dimension: rows ``0..T-1`` of a raw table, (T, d) (the BART /
+    Blenderbot learned positions called with ``arange(T)``)."""
+
+    def __init__(self, n: int, d: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(n, d) * 0.3)
+
+    def forward(self, positions):
+        return self.table[positions]
+
+
+class WithPosTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.pos = PosTable(T + 2, DIM)
+        self.out = nn.Linear(DIM, C)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x) + self.pos(torch.arange(x.shape[1]))))
+
+
+@pytest.mark.parametrize("B", [3, T], ids=["B=3", "B==T"])
+def test_owner_without_batched_output_refused_at_every_batch_size(B):
+    """Its (T, d) output has no batch dimension: refused naming the owner at B != T (at its forward) and at B == T
+    (the probe: the same shape on a batch of one), never released; at B == T the size rule alone (probe off) would
+    take the table's rows for samples."""
+    torch.manual_seed(0)
+    model = WithPosTable().to(D)
+    engine = make_engine(model, batch_size=B)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    (x,), y = _batches([B])[0]
+    with pytest.raises(RuntimeError, match="'pos'") as ei:
+        mse_per_sample(model(x), y).mean().backward()
+        opt.step()
+    assert "batch dimension" in str(ei.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

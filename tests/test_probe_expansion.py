@@ -6,9 +6,10 @@ an odd batch (the last chunk is ONE sample; expanded, the model got ``B + 1`` ro
 a broadcast position embedding with the batch (``2B - 1`` rows). The probe now sees that no output of the model has
 leading size ``B`` after its expansions, and its fallback replays the expanded modules' parameters from an ancestor
 (the forward untouched). Likewise layers that saw a part of the batch (the chunks of an even batch, 2 rows each of
-4): exact in every clipping mode, at B = 3 (chunks 2 + 1), 4 (2 + 2) and 5 (3 + 2) alike (the judge of tests/layout_oracle.py: float64 brute-force
-oracle, 1e-6). A model that couples samples through such a concatenation is refused by a
-:class:`fastdp.StructureError` that names the expanded module, why, and the fix, before anything is released.
+4). Exact in every clipping mode, at B = 3 (chunks 2 + 1), 4 (2 + 2) and 5 (3 + 2) alike (the judge of
+tests/layout_oracle.py: float64 brute-force oracle, 1e-6). A model that couples samples through such a concatenation
+is refused by a :class:`fastdp.StructureError` that names the expanded module, why, and the fix, before anything is
+released.
 """
 
 from __future__ import annotations
