@@ -83,3 +83,40 @@ def test_refusal_names_the_expanded_module():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert engine._extra_owned == {}  # the fallback's owners were restored
     engine.detach()
+
+
+class Scale(nn.Module):
+    """A generic owner (a raw parameter)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.s = nn.Parameter(torch.randn(d))
+
+    def forward(self, h):
+        return h * self.s
+
+
+class ChunkedOwner(nn.Module):
+    """The batch split by ``chunk(2)`` and each half through a generic owner."""
+
+    def __init__(self, d=6, C=7):
+        super().__init__()
+        self.inp, self.scale, self.out = nn.Linear(d, d), Scale(d), nn.Linear(d, C)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(torch.cat([torch.tanh(self.scale(p)) for p in h.chunk(2)]))
+
+
+@pytest.mark.parametrize("B", [3, 4])
+def test_generic_owner_on_a_part_of_the_batch_refused(B):
+    """A generic owner called on a part of the batch has outputs without a batch dimension: refused at every B >= 2
+    (its 2-row half comes first), naming the owner, before anything is released."""
+    torch.manual_seed(0)
+    model = ChunkedOwner().to(D)
+    x, y = torch.randn(B, 5, 6, dtype=D), torch.randn(B, 5, 7, dtype=D)
+    assert assert_exact_or_refused(model, mse_per_sample, [((x,), y)], batch_size=B, expect="refused") == "refused"
+    engine = make_engine(ChunkedOwner().to(D), batch_size=B)
+    engine.attach(torch.optim.SGD(engine.model.parameters(), lr=1.0))
+    with pytest.raises(RuntimeError, match="'scale'"):
+        mse_per_sample(engine.model(x), y).mean().backward()
