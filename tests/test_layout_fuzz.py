@@ -423,15 +423,8 @@ def test_coupling_layout_refused(layout):
 
 def known_bad_today(layout: str, B: int, T: int, d: int, C: int) -> bool:
     """Whether today's main may be silent (or refuse without naming anything) on this layout and these sizes: the
-    patterns of ``SILENT_TODAY``, generalised. Used by the drawn tests, which fail only on a NEW bad pattern."""
-    if (layout.startswith("seqfirst") and layout != "seqfirst:mha" or layout == "pos:nobatch") and B == T and B > 1:
-        return True
-    if layout == "pos:nobatch" and T == 1 and B > 1:
-        return True
-    if layout in ("hook:x2", "tie:bias", "inplace:add", "inplace:mul"):
-        return True
-    if layout == "pos:index0" and B != 1:
-        return True
+    patterns of ``SILENT_TODAY``, generalised. Used by the drawn tests, which fail only on a NEW bad pattern. None
+    today: every drawn case (600 in the slow run, all five modes, B in 0..6) is exact or refused naming a module."""
     return False
 
 
