@@ -374,11 +374,12 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the user's or the engine's)
         return [_engine_failed(e)]
     if res is None:
-        if engine._probe_broadcast:  # the expansions changed what the model computes (x.chunk(2), torch.cat)
+        if engine._probe_broadcast and _batch_lost(engine, model, args, kwargs, B):
+            # the expansions changed what the model computes (x.chunk(2) of an odd batch, torch.cat along dim 0)
             return [Finding(_LOST_BATCH, "", math.inf, detail=(
                 f"after the engine expanded the outputs of leading size 1 of "
                 f"{_labels(model, engine._probe_broadcast)} to the batch size {B}, no output of the model that "
-                f"requires grad has leading size {B}"))]
+                f"requires grad has leading size {B}, but on a batch of one an output has leading size 1"))]
         logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
         return []
     batch_out, idx, cots, records, gen = res
@@ -422,6 +423,24 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         _free(records)
     engine._probe_learned = learned
     return findings + _compare(engine, names, params, indices, rows, refs, total, weights)
+
+
+def _batch_lost(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool:
+    """The engine pass (which expanded broadcast outputs) returned no output of leading size ``B``: whether the
+    model has per-sample outputs at all, i.e. whether on sample 0 alone (hooks inert, no grad) a floating output of
+    leading size 1 sits where the engine pass's output had another leading size. A model that returns only a scalar
+    (a loss computed inside it) has nothing to verify, as before."""
+    a_0, k_0 = _slice(args, kwargs, B, 0)
+    try:
+        _restore_buffers(engine._probe_buffers)
+        with _Inert(engine), torch.no_grad():
+            leaves = tree_flatten(model(*a_0, **k_0))[0]
+    except Exception:  # noqa: BLE001 - the model fails on a batch of one: not this finding
+        return False
+    got = engine._probe_out_leaves
+    return len(leaves) == len(got) and any(
+        isinstance(y, torch.Tensor) and y.is_floating_point() and y.dim() >= 1 and y.shape[0] == 1
+        and s is not None and (len(s) == 0 or s[0] != B) for y, s in zip(leaves, got, strict=True))
 
 
 def _sub_batches(records: list[Any], B: int) -> list[tuple[nn.Module, int]]:
@@ -581,6 +600,7 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         out = model(*args, **kwargs)
         leaves, idx = _batched_outputs(out, B)
         if not idx:
+            engine._probe_out_leaves = [tuple(y.shape) if isinstance(y, torch.Tensor) else None for y in leaves]
             return None
         ys = [leaves[j] for j in idx]
         cots = [torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=y.device, dtype=y.dtype)

@@ -120,3 +120,30 @@ def test_generic_owner_on_a_part_of_the_batch_refused(B):
     engine.attach(torch.optim.SGD(engine.model.parameters(), lr=1.0))
     with pytest.raises(RuntimeError, match="'scale'"):
         mse_per_sample(engine.model(x), y).mean().backward()
+
+
+class ScalarLoss(nn.Module):
+    """HF-style (1, T) position embedding added to the tokens (expanded by the engine), and the loss computed inside
+    the model: ``forward(ids, y)`` returns the SUM of the per-sample losses, a scalar (no output of leading size B)."""
+
+    def __init__(self, V=11, T=5, d=6, C=7):
+        super().__init__()
+        self.tok, self.pe = nn.Embedding(V, d), nn.Embedding(T + 2, d)
+        self.mid, self.out = nn.Linear(d, d), nn.Linear(d, C)
+
+    def forward(self, ids, y):
+        h = self.tok(ids) + self.pe(torch.arange(ids.shape[1])[None])
+        return mse_per_sample(self.out(torch.tanh(self.mid(h))), y).sum()
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost"])
+def test_scalar_output_with_expansion_not_taken_for_lost_batch(mode):
+    """No output of leading size B after an expansion is a lost batch only if the model has per-sample outputs (on a
+    batch of one): a model returning a scalar loss has nothing to verify, and stays exact (as before)."""
+    from model_oracle import check_engine
+
+    torch.manual_seed(0)
+    model = ScalarLoss().to(D)
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 11, (3, 5), generator=g), torch.randn(3, 5, 7, generator=g, dtype=D)
+    check_engine(model, lambda out, _: out.reshape(1), [((ids, y), y)], mode=mode, reduction="sum", batch_size=3)
