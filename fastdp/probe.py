@@ -44,9 +44,11 @@ tuning -- those modules' parameters are given to an ancestor on the exact generi
 differentiates only them; the forward is untouched) and the probe runs again; the ancestor moves up one level per
 try (all suspects together, possibly up to the root: exact, but the replay then re-runs the whole model per sample),
 until the probe passes or the root failed too (then the owners are restored and the failure is reported, naming
-the modules whose outputs were expanded). An expansion after which no output of the model has leading size ``B``
-(``x.chunk(2)`` of an odd batch: the last chunk, one sample, was expanded to ``B`` rows; ``torch.cat`` along dim 0
-of a broadcast position embedding and the batch) is such a failure, not "nothing to verify".
+the modules whose outputs were expanded). An expansion after which no output of the model has leading size ``B``,
+while on a batch of one an output has leading size 1 (a no-grad forward of sample 0, run only in that case), is
+such a failure, not "nothing to verify": ``x.chunk(2)`` of an odd batch (the last chunk, one sample, was expanded
+to ``B`` rows), ``torch.cat`` along dim 0 of a broadcast position embedding and the batch. So are layer-kind calls
+that saw more than one but fewer than ``B`` rows (the chunks of an even batch).
 
 Errors are relative to the largest per-sample gradient norm of the parameter (``_PROBE_RTOL`` per dtype). On a
 mismatch the engine raises :class:`StructureError` naming the worst parameters, the evidence and the fix. If the
