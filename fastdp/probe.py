@@ -451,8 +451,11 @@ def _sub_batches(records: list[Any], B: int) -> list[tuple[nn.Module, int]]:
     for rec in records:
         if rec.kind is GENERIC:
             continue
-        n = rec.batch if rec.psg is not None else rec.kind.batch_size(rec.activation, rec.grad_output)
-        if 1 < n < B:
+        try:
+            n = rec.batch if rec.psg is not None else rec.kind.batch_size(rec.activation, rec.grad_output)
+        except Exception:  # noqa: BLE001 - no batch size to read: not a part of the batch (the sums judge it)
+            continue
+        if n is not None and 1 < n < B:
             out.append((rec.module, n))
     return out
 
