@@ -35,7 +35,7 @@ from torch import nn
 
 from fastdp import capture_generic, hf_guard, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
-from fastdp.layers import batchdim, checkpointing, expand, generic
+from fastdp.layers import batchdim, checkpointing, expand, generic, layout
 from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry
@@ -77,6 +77,12 @@ class ProbeState:
     outside: list[nn.Module] = field(default_factory=list)  # modules whose parameters were used outside them
     stats: dict[str, Any] = field(default_factory=lambda: {"probes": 0, "signatures": 0, "seconds": 0.0,
                                                            "eval_retries": 0})
+    #: the generic owners' layouts learned by the last probe run (fastdp.layers.layout), kept per signature
+    learned: Any = None
+    #: the engine pass's outputs (the probe's check that the batch dimension survived its expansions)
+    out_leaves: Any = None
+    #: the last probe run compared only rounding noise (every per-sample gradient ~0): its signature is not verified
+    inconclusive: bool = False
 
 
 class Capture:
@@ -107,6 +113,8 @@ class Capture:
         self.generic_stats: dict[str, dict[str, int]] = {}
         self.on_arrival = True  # instantiation on arrival (fastdp.norms.instantiate_on_arrival); off: benchmarks
         self.probe = ProbeState()
+        #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
+        self.owner_layouts = layout.OwnerLayouts()
         self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)
         self._handles: list[Any] = []
 
@@ -250,6 +258,8 @@ class Capture:
         self.next_forward += 1
         self.roots.append(frame)  # popped by _root_post, which runs also when this pre-hook raises
         frame.batch = B = batchdim.infer_batch_size(args, kwargs)
+        if len(self.roots) == 1:
+            self.owner_layouts.start()  # the size rule, unless the probe knows this call's signature
         if (self.engine.verify_structure and B is not None and B >= 1 and not self.probe.running
                 and not self.inert and torch.is_grad_enabled() and len(self.roots) == 1 and not self.paused):
             probe.maybe_probe(self.engine, module, args, kwargs, B)

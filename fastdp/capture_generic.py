@@ -97,6 +97,7 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
     B = cap.batch()
     if B is None:
         B = batchdim.infer_batch_size(args, kwargs, where=label)
+    k_call, lay = cap.owner_layouts.next_call(module, args, kwargs, output)  # learned by the probe, or None
     if exp is not None and exp.verified and exp.batch != B:
         exp.reason = f"batch size {exp.batch} at the call's start, {B} at its end"
     if exp is not None and not exp.verified:
@@ -117,7 +118,7 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
         if d is not None and B is not None and leaf.shape[d] == B:  # batch dimension declared by the owner
             hooked.append(j)
             out_dims.append(d)
-        elif d is None and B is not None and leaf.shape[0] == B:
+        elif d is None and B is not None and leaf.shape[0] == B and (lay is None or j not in lay.shared_out):
             hooked.append(j)
             out_dims.append(0)
         elif d is None and B is not None and generic.is_broadcast(leaf, B):
@@ -144,10 +145,11 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
             f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
             "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "
             "cannot be attributed to samples. Freeze them, or return per-sample outputs.")
-    args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module)
+    args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module, lay.shared_in if lay else ())
     call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
                                outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
-                               label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims)
+                               label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims,
+                               call_index=k_call)
     rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
                  autocast=call.autocast, forward=cap.current_forward())
     call.grads.extend([None] * len(hooked))

@@ -21,13 +21,18 @@ a. *engine pass*: the model on the batch with the engine's capture hooks active 
    step's: nothing reaches its pending records or sums); seeded random cotangents ``V_j`` (a private generator)
    for every floating output leaf of leading size ``B``; backward of ``sum_j <V_j, y_j>``; from the records, by
    instantiation on the probe samples' rows, the engine's per-sample gradients ``g_i`` of the probe samples 0 and
-   ``B - 1``, and, by the step's own code in the engine's clipping mode (:func:`bookkeeping._clipped_sums` with
+   ``B - 1``, and, by the step's own code in the engine's clipping mode (:func:`fastdp.clipped_sums.clipped_sums` with
    random clipping factors ``w_i`` on the probe samples and 0 elsewhere), the weighted sum ``sum_i w_i g_i``;
 b. *reference*: per probe sample ``i``, the model with every engine hook inert on the batch of one (leaves of
    leading size ``B`` sliced ``[i:i+1]``, the others as given); its outputs must equal row ``i`` of the batch's
    outputs, the gradient ``r_i`` of ``sum_j <V_j[i], y_j(x_i)>`` must equal the engine's ``g_i``, and
    ``sum_i w_i r_i`` must equal the clipping mode's weighted sum (this catches rescaling hooks, parameters
    released as zero or counted twice, a mode's contraction that disagrees with instantiation, even at ``B = 1``).
+   The engine pass's generic owners are replayed (for ``g_i`` and the weighted sum) only after the references:
+   each owner call's batch-of-one twin tells which of its tensors are per sample (a tensor of the same shape in
+   both is shared, whatever its leading size: :mod:`fastdp.layers.layout`), and that layout is applied to the
+   engine pass's records, kept for the signature, and used by every later call with it (``B == T`` or any other
+   coincidence inside the model does not decide).
 
 A model that fails on a batch of one (``x.chunk(2)`` unpacked into two halves) is refused. A failure of the engine's
 pass (an error the engine raises itself: a weight used outside its module, layers that saw different batch sizes)
@@ -38,12 +43,22 @@ parameter used outside its module -- ``wpe(position_ids)[0]``, HF DeBERTa-v2 rel
 tuning -- those modules' parameters are given to an ancestor on the exact generic path (its per-sample replay
 differentiates only them; the forward is untouched) and the probe runs again; the ancestor moves up one level per
 try (all suspects together, possibly up to the root: exact, but the replay then re-runs the whole model per sample),
-until the probe passes or the root failed too (then the owners are restored and the failure is reported).
+until the probe passes or the root failed too (then the owners are restored and the failure is reported, naming
+the modules whose outputs were expanded). An expansion after which no output of the model has leading size ``B``,
+while on a batch of one an output has leading size 1 (a no-grad forward of sample 0, run only in that case), is
+such a failure, not "nothing to verify": ``x.chunk(2)`` of an odd batch (the last chunk, one sample, was expanded
+to ``B`` rows), ``torch.cat`` along dim 0 of a broadcast position embedding and the batch. So are layer-kind calls
+that saw more than one but fewer than ``B`` rows (the chunks of an even batch).
 
 Errors are relative to the largest per-sample gradient norm of the parameter (``_PROBE_RTOL`` per dtype). On a
 mismatch the engine raises :class:`StructureError` naming the worst parameters, the evidence and the fix. If the
 passes disagree and a random operation other than dropout ran, the probe is retried once with the model in eval
 mode (logged); a second failure is refused, naming the random operations.
+
+When every per-sample gradient of the probe samples is at rounding level (a LayerNorm over positions whose inputs
+are all equal outputs exactly 0, and so is every gradient through it), nothing can be compared: the other samples of
+the batch are probed two at a time until one pair is conclusive; if none is, every gradient of the batch is rounding
+noise, the call runs, and its signature is probed again at its next call.
 
 **What it does NOT catch.**
 
@@ -77,7 +92,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.clipped_sums import ClipConfig, clipped_sums
+from fastdp.layers import generic, layout
 from fastdp.layers.base import autocast_state
+from fastdp.layers.generic import GENERIC
 from fastdp.torch_api import TorchFunctionMode, tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
@@ -87,7 +104,12 @@ _PROBE_RTOL = {torch.float64: 1e-5, torch.float32: 5e-3, torch.bfloat16: 1e-1, t
 _SEED = 0x5EED
 #: parameters are compared relative to at least this fraction of the largest per-sample gradient norm of any parameter
 _FLOOR = 1e-3
+#: per-sample gradients all below this many machine epsilons (times the largest parameter entry) are rounding noise:
+#: the probe is inconclusive for that batch and runs again at the signature's next call
+_NOISE = 1e3
 _ENGINE_FAILED = "engine pass"  # the engine's capture or book-keeping raised (left to the real pass)
+_LOST_BATCH = "batch dimension lost"  # the engine's expansions left no output of leading size B
+_SUB_BATCH = "part of the batch"  # layers saw fewer rows than the batch (x.chunk(2))
 
 
 class StructureError(RuntimeError):
@@ -239,6 +261,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     a mismatch. Called by the engine's root forward pre-hook."""
     sig = signature(args, kwargs, B, model.training)
     if sig in engine._capture.probe.seen:
+        engine._capture.owner_layouts.start(sig)  # the generic owners' layouts learned for this signature
         return
     t0 = time.perf_counter()
     flat = tree_flatten((args, kwargs))[0]
@@ -253,13 +276,21 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     stats = engine.probe_stats
     findings: list[Finding] | None = None
     random_ops: set[str] = set()
+    engine._capture.probe.inconclusive = False
     engine._capture.probe.running = True
     engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
     broadcast = engine_failed = False
+    suspects: list[str] = []
+    fell_back: bool | None = None
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
             with DeterministicDropout() as det:
                 findings = _run(engine, model, args, kwargs, B)
+                for k in range(1, B - 1, 2):  # rounding noise only: the other samples, two at a time
+                    if findings or not engine._capture.probe.inconclusive:
+                        break
+                    engine._capture.probe.inconclusive = False
+                    findings = _run(engine, model, args, kwargs, B, sorted({k, min(k + 1, B - 2)}))
             random_ops = set(det.random_ops)
             if findings and random_ops and model.training:
                 logger.warning("structure probe: the passes disagree and random operations ran (%s); retrying the "
@@ -271,8 +302,10 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                     findings = _run(engine, model, args, kwargs, B)
             broadcast = bool(engine._capture.probe.broadcast)
             engine_failed = bool(engine._capture.probe.outside)  # the real pass raises the outside use itself
+            suspects = _labels(model, engine._capture.probe.broadcast)
             if findings and broadcast:
-                if _fallback(engine, model, args, kwargs, B):
+                fell_back = _fallback(engine, model, args, kwargs, B)
+                if fell_back:
                     findings = []
     finally:
         engine._capture.probe.running = False
@@ -286,20 +319,27 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
         return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
     if findings:
-        raise StructureError(_message(engine, findings, B, sig, random_ops))
+        raise StructureError(_message(engine, findings, B, sig, random_ops, suspects, fell_back is False))
+    if engine._capture.probe.inconclusive:
+        engine._capture.owner_layouts.by_signature.pop(sig, None)
+        logger.info("structure probe inconclusive (batch %d): every per-sample gradient is at rounding level; the "
+                    "signature is probed again at its next call", B)
+        return
     engine._capture.probe.seen.add(sig)
+    engine._capture.owner_layouts.by_signature[sig] = engine._capture.probe.learned
+    engine._capture.owner_layouts.start(sig)
     stats["signatures"] = len(engine._capture.probe.seen)
     logger.info("structure probe passed (batch %d, %d probe samples, %.3fs)", B, len(_probe_indices(B)),
                 time.perf_counter() - t0)
 
 
-def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool:
+def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool | None:
     """Broadcast outputs were expanded and the probe failed (e.g. ``wpe(position_ids)[0]``, or the expansion broke
     the model): stop expanding them by making an ancestor the generic owner of their parameters (the ancestor's
     per-sample replay differentiates only those; the forward is untouched), nearest first, and probe again. Returns
-    whether some ancestor passed; otherwise the owners are restored."""
+    whether some ancestor passed (the owners are restored otherwise), ``None`` if it could not be tried."""
     if engine._capture.pending or engine.plan.entry_of(model) is not None:
-        return False  # pending records of the old owners / the root's pre-hooks already ran for this call
+        return None  # pending records of the old owners / the root's pre-hooks already ran for this call
     name_of = {id(m): n for n, m in model.named_modules()}
     trainable = {id(p) for p in engine._trainable.values()}
     saved = dict(engine._extra_owned)
@@ -343,58 +383,212 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
 
 
 def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-         B: int) -> list[Finding]:
+         B: int, indices: list[int] | None = None) -> list[Finding]:
     names = list(engine._trainable)
     params = [engine._trainable[n] for n in names]
-    indices = _probe_indices(B)
-    # a. engine pass
+    indices = _probe_indices(B) if indices is None else indices
+    engine._capture.probe.learned = {}
+    # a. engine pass (forward and backward; its generic owners' replays wait for the layouts learned in b.)
+    engine._capture.owner_layouts.start()  # the size rule; the layouts learned below are applied to its records
     try:
         _restore_buffers(engine._capture.probe.buffers)
-        res = _engine_pass(engine, model, args, kwargs, B, params, indices)
+        res = _engine_pass(engine, model, args, kwargs, B)
     except (torch.OutOfMemoryError, MemoryError):
         raise  # not a finding about the structure: the caller halves the batch and retries (probed again)
     except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the user's or the engine's)
-        logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
-                    str(e).splitlines()[0][:200] if str(e) else "")
-        return [Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")]
+        return [_engine_failed(e)]
     if res is None:
+        if engine._capture.probe.broadcast and _batch_lost(engine, model, args, kwargs, B):
+            # the expansions changed what the model computes (x.chunk(2) of an odd batch, torch.cat along dim 0)
+            return [Finding(_LOST_BATCH, "", math.inf, detail=(
+                f"after the engine expanded the outputs of leading size 1 of "
+                f"{_labels(model, engine._capture.probe.broadcast)} to the batch size {B}, no output of the model that "
+                f"requires grad has leading size {B}, but on a batch of one an output has leading size 1"))]
         logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
         return []
-    batch_out, idx, cots, rows, total, weights = res
+    batch_out, idx, cots, records, gen = res
+    sub = _sub_batches(records, B)
+    if sub:  # layers that saw a part of the batch (x.chunk(2)): suspects for the fallback, as expanded outputs are
+        engine._capture.probe.broadcast.extend(m for m, _ in sub)
+        _free(records)
+        return [Finding(_SUB_BATCH, "", math.inf, detail=(
+            f"layers {_labels(model, [m for m, _ in sub])} saw {sorted({n for _, n in sub})} rows of a batch of "
+            f"{B} (a part of the batch, e.g. x.chunk(2)): their rows cannot be attributed to samples by position"))]
     findings: list[Finding] = []
-    # b. references
+    # b. references; the generic owners' calls on a batch of one tell which of their tensors are per sample
     refs: dict[int, list[torch.Tensor | None]] = {}
-    for i in indices:
-        a_i, k_i = _slice(args, kwargs, B, i)
-        try:
-            _restore_buffers(engine._capture.probe.buffers)
-            with _Inert(engine):
-                out_i = model(*a_i, **k_i)
-                leaves_i = tree_flatten(out_i)[0]
-                ys = [leaves_i[j] if j < len(leaves_i) else None for j in idx]
-                shapes_ok = all(isinstance(y, torch.Tensor) and y.requires_grad and tuple(y.shape) == (1, *p.shape[1:])
-                                for y, p in zip(ys, batch_out, strict=True))
-                if not shapes_ok:
-                    got = [tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__ for y in ys]
-                    findings.append(Finding("batch of one", "", math.inf, i,
-                                            f"outputs {got} on a batch of one, expected leading size 1 and the "
-                                            f"batch's other sizes {[tuple(p.shape) for p in batch_out]}"))
-                    continue
-                for j, y, p in zip(idx, ys, batch_out, strict=True):
-                    err = _out_err(y, p[i:i + 1])
-                    if err > _rtol(p.dtype):
-                        findings.append(Finding("output", f"leaf {j}", err, i, "sample alone != its row in the batch"))
-                refs[i] = _grads(_dot([c[i:i + 1] for c in cots], ys), params)
-        except Exception as e:  # noqa: BLE001 - reported as the finding
-            findings.append(Finding("batch of one", "", math.inf, i,
-                                    f"the model fails on a batch of one sample: {type(e).__name__}: {e}"))
+    recorder = layout.Recorder([e.module for e in engine.plan.entries if e.generic])
+    ref_calls = []
+    try:
+        for i in indices:
+            recorder.restart()
+            _reference(engine, model, args, kwargs, B, i, idx, batch_out, cots, params, refs, findings)
+            ref_calls.append(recorder.restart())
+    finally:
+        recorder.close()
     if findings and all(f.check == "batch of one" for f in findings):
+        _free(records)
         return findings
+    # the engine's per-sample gradients (with the learned layouts) and its clipping mode's weighted sum
+    learned = layout.learn(ref_calls, _batch_calls(records), B) if len(ref_calls) == len(indices) else {}
+    changed = False
+    try:
+        kept, found, changed = _apply_layouts(records, learned, B)
+        findings += found
+        rows, total, weights = _engine_sums(engine, kept, params, indices, B, gen)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the real pass raises the same error (with the size rule: see below)
+        f = _engine_failed(e)
+        if changed:  # the learned layout changed the records: the real pass may not raise it, so refuse here
+            f.check = "per-sample replay with the learned layout"
+        return [*findings, f]
+    finally:
+        _free(records)
+    engine._capture.probe.learned = learned
+    return findings + _compare(engine, names, params, indices, rows, refs, total, weights)
+
+
+def _batch_lost(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool:
+    """The engine pass (which expanded broadcast outputs) returned no output of leading size ``B``: whether the
+    model has per-sample outputs at all, i.e. whether on sample 0 alone (hooks inert, no grad) a floating output of
+    leading size 1 sits where the engine pass's output had another leading size. A model that returns only a scalar
+    (a loss computed inside it) has nothing to verify, as before."""
+    a_0, k_0 = _slice(args, kwargs, B, 0)
+    try:
+        _restore_buffers(engine._capture.probe.buffers)
+        with _Inert(engine), torch.no_grad():
+            leaves = tree_flatten(model(*a_0, **k_0))[0]
+    except Exception:  # noqa: BLE001 - the model fails on a batch of one: not this finding
+        return False
+    got = engine._capture.probe.out_leaves
+    return len(leaves) == len(got) and any(
+        isinstance(y, torch.Tensor) and y.is_floating_point() and y.dim() >= 1 and y.shape[0] == 1
+        and s is not None and (len(s) == 0 or s[0] != B) for y, s in zip(leaves, got, strict=True))
+
+
+def _sub_batches(records: list[Any], B: int) -> list[tuple[nn.Module, int]]:
+    """Layer-kind calls of the engine pass that saw more than one but fewer than ``B`` rows (``(module, rows)``)."""
+    out = []
+    for rec in records:
+        if rec.kind is GENERIC:
+            continue
+        try:
+            n = rec.batch if rec.psg is not None else rec.kind.batch_size(rec.activation, rec.grad_output)
+        except Exception:  # noqa: BLE001 - no batch size to read: not a part of the batch (the sums judge it)
+            continue
+        if n is not None and 1 < n < B:
+            out.append((rec.module, n))
+    return out
+
+
+def _engine_failed(e: BaseException) -> Finding:
+    logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "")
+    return Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")
+
+
+def _free(records: list[Any]) -> None:
+    for r in records:
+        r.ctx = None
+
+
+def _batch_calls(records: list[Any]) -> dict[tuple[int, int], layout.CallShapes]:
+    """The shapes of the engine pass's generic owner calls (inputs; hooked outputs as the engine kept them)."""
+    out = {}
+    for rec in records:
+        call = rec.activation
+        if rec.kind is GENERIC and not call.expanded and call.call_index >= 0:
+            spec_in, shapes_in = layout.shapes((call.args, call.kwargs))
+            out[(id(rec.module), call.call_index)] = layout.CallShapes(
+                spec_in, shapes_in, "", {j: tuple(o.shape) for j, o in zip(call.leaf_index, call.outputs, strict=True)})
+    return out
+
+
+def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.OwnerLayout],
+                   B: int) -> tuple[list[Any], list[Finding], bool]:
+    """Give the engine pass's generic records the learned layouts, as the real pass's calls get them: shared inputs
+    are not sliced per sample; an output learned to have no batch dimension is not hooked. Returns the records left
+    (a call left without hooked outputs is dropped: the real pass refuses it at its forward), findings (a gradient
+    that reached such an output, such a call: the real pass would refuse them) and whether anything changed."""
+    findings, kept, changed = [], [], False
+    for rec in records:
+        call = rec.activation
+        lay = None if rec.kind is not GENERIC or call.expanded else learned.get((id(rec.module), call.call_index))
+        if lay is None:
+            kept.append(rec)
+            continue
+        dims = generic.capture_inputs(call.args, call.kwargs, B, rec.module, shared=lay.shared_in)[2]
+        changed |= tree_flatten(dims)[0] != tree_flatten(call.in_dims)[0]
+        call.in_dims = dims
+        drop = [k for k, j in enumerate(call.leaf_index) if j in lay.shared_out]
+        changed |= bool(drop)
+        for k in reversed(drop):
+            g = call.grads[k]
+            if g is not None and bool(g.any()):
+                findings.append(Finding("output without batch dimension", repr(call.label), math.inf, detail=(
+                    f"output {call.leaf_index[k]} of {call.label!r} has the same shape on a batch of one (its leading "
+                    f"size is {B} by coincidence) and received a gradient, which cannot be attributed to samples")))
+            for lst in (call.leaf_index, call.outputs, call.grads, call.out_dims):
+                if k < len(lst):
+                    del lst[k]
+        if call.leaf_index:
+            kept.append(rec)
+        else:
+            findings.append(Finding("output without batch dimension", repr(call.label), math.inf, detail=(
+                f"module {call.label!r} owns trainable parameters {sorted(call.names)} but none of its outputs has a "
+                f"batch dimension (their leading size is {B} by coincidence: the same shape on a batch of one), so "
+                "their gradients cannot be attributed to samples; freeze them, or return per-sample outputs")))
+    return kept, findings, changed
+
+
+def _reference(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int, i: int,
+               idx: list[int], batch_out: list[torch.Tensor], cots: list[torch.Tensor], params: list[nn.Parameter],
+               refs: dict[int, list[torch.Tensor | None]], findings: list[Finding]) -> None:
+    """The model on sample ``i`` alone, every engine hook inert: its outputs against row ``i`` of the batch's, and
+    the gradient ``r_i`` of ``sum_j <V_j[i], y_j(x_i)>`` into ``refs[i]``; disagreements into ``findings``."""
+    a_i, k_i = _slice(args, kwargs, B, i)
+    try:
+        _restore_buffers(engine._capture.probe.buffers)
+        with _Inert(engine):
+            out_i = model(*a_i, **k_i)
+            leaves_i = tree_flatten(out_i)[0]
+            ys = [leaves_i[j] if j < len(leaves_i) else None for j in idx]
+            shapes_ok = all(isinstance(y, torch.Tensor) and y.requires_grad and tuple(y.shape) == (1, *p.shape[1:])
+                            for y, p in zip(ys, batch_out, strict=True))
+            if not shapes_ok:
+                got = [tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__ for y in ys]
+                findings.append(Finding("batch of one", "", math.inf, i,
+                                        f"outputs {got} on a batch of one, expected leading size 1 and the "
+                                        f"batch's other sizes {[tuple(p.shape) for p in batch_out]}"))
+                return
+            for j, y, p in zip(idx, ys, batch_out, strict=True):
+                err = _out_err(y, p[i:i + 1])
+                if err > _rtol(p.dtype):
+                    findings.append(Finding("output", f"leaf {j}", err, i, "sample alone != its row in the batch"))
+            refs[i] = _grads(_dot([c[i:i + 1] for c in cots], ys), params)
+    except Exception as e:  # noqa: BLE001 - reported as the finding
+        findings.append(Finding("batch of one", "", math.inf, i,
+                                f"the model fails on a batch of one sample: {type(e).__name__}: {e}"))
+
+
+def _compare(engine: Any, names: list[str], params: list[nn.Parameter], indices: list[int],
+             rows: dict[int, list[torch.Tensor | None]], refs: dict[int, list[torch.Tensor | None]],
+             total: list[torch.Tensor | None], weights: dict[int, float]) -> list[Finding]:
+    """c. The engine's per-sample gradients and weighted sum against the references."""
+    findings: list[Finding] = []
     # c. compare; a parameter whose gradients are mathematically ~0 (a key bias under softmax) is compared with an
     # absolute floor of _FLOOR times the largest per-sample gradient norm of any parameter
     norms = [float(t.detach().double().norm()) for r in (*rows.values(), *refs.values()) for t in r
              if t is not None]
     floor = _FLOOR * max(norms or [0.0])
+    # every per-sample gradient at rounding level (e.g. a LayerNorm over positions whose inputs are all equal: its
+    # output is 0 and so is every gradient through it): nothing can be compared; the signature is probed again
+    noise = _NOISE * max(torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0 for p in params) * max(
+        [1.0] + [float(p.detach().abs().max()) for p in params if p.numel()])
+    if max(norms or [0.0]) <= noise:
+        engine._capture.probe.inconclusive = True
+        return []
     for k, (n, p) in enumerate(zip(names, params, strict=True)):
         zero = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
 
@@ -425,11 +619,12 @@ def _rtol(dtype: torch.dtype) -> float:
     return tol
 
 
-def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,
-                 params: list[nn.Parameter], indices: list[int]) -> tuple[Any, ...] | None:
+def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 B: int) -> tuple[Any, ...] | None:
     """The model with the engine's hooks capturing into a separate session; seeded cotangents on its batched
-    outputs; per-sample rows for ``indices`` and, by the engine's clipping mode, the sum weighted by random
-    factors on ``indices`` (zero elsewhere). ``None`` if no output has a batch dimension."""
+    outputs, backward. Returns ``(detached batched outputs, their leaf indices, cotangents, reached records, the
+    private generator)``, or ``None`` if no output has a batch dimension."""
+    params = list(engine._trainable.values())
     gen = torch.Generator().manual_seed(_SEED)
     saved_pending, saved_stats = engine._capture.pending, {k: dict(v) for k, v in engine.generic_stats.items()}
     saved_off = set(engine._capture.expand_off)
@@ -439,6 +634,7 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         out = model(*args, **kwargs)
         leaves, idx = _batched_outputs(out, B)
         if not idx:
+            engine._capture.probe.out_leaves = [tuple(y.shape) if isinstance(y, torch.Tensor) else None for y in leaves]
             return None
         ys = [leaves[j] for j in idx]
         cots = [torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=y.device, dtype=y.dtype)
@@ -459,6 +655,13 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         engine.generic_stats.update(saved_stats)
         engine._capture.expand_off.clear()
         engine._capture.expand_off.update(saved_off)
+    return [y.detach() for y in ys], idx, cots, records, gen
+
+
+def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], indices: list[int], B: int,
+                 gen: torch.Generator) -> tuple[Any, ...]:
+    """From the engine pass's records: per-sample rows for ``indices`` and, by the engine's clipping mode, the sum
+    weighted by random factors on ``indices`` (zero elsewhere)."""
     w = torch.zeros(B, dtype=torch.float64)
     w[indices] = torch.rand(len(indices), generator=gen, dtype=torch.float64) + 0.5
     weights = {i: float(w[i]) for i in indices}
@@ -472,9 +675,7 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         total = [res.get(p) for p in params]
     finally:
         engine._capture.inert_depth -= 1
-        for r in records:
-            r.ctx = None
-    return [y.detach() for y in ys], idx, cots, rows, total, weights
+    return rows, total, weights
 
 
 def _rows(records: list[Any], param_of: dict[tuple[int, str], nn.Parameter], params: list[nn.Parameter],
@@ -506,11 +707,27 @@ def _rows(records: list[Any], param_of: dict[tuple[int, str], nn.Parameter], par
     return {i: [acc[p][k] if p in acc else None for p in params] for k, i in enumerate(indices)}
 
 
-def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str]) -> str:
+def _labels(model: nn.Module, modules: Sequence[nn.Module]) -> list[str]:
+    """The names of ``modules`` in ``model`` (``<root>`` for the model), sorted, without repeats."""
+    name_of = {id(m): n or "<root>" for n, m in model.named_modules()}
+    return sorted({name_of[id(m)] for m in modules if id(m) in name_of})
+
+
+def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str],
+             suspects: Sequence[str] = (), fell_back: bool = False) -> str:
     owner = {n: (n.rpartition(".")[0] or "<root>") for n in engine._trainable}
     worst = sorted(findings, key=lambda f: -f.error)[:5]
     params = sorted({f.where.strip("'") for f in findings if f.where.strip("'") in owner})
-    modules = sorted({owner[n] for n in params})
+    if not params and suspects:  # a pass failed: the expanded modules' parameters are the ones at stake
+        params = sorted(n for n in owner if owner[n] in suspects)
+    modules = sorted({owner[n] for n in params} | set(suspects))
+    retry = (", and replaying those modules' parameters per sample from their ancestors, up to the whole model, did "
+             "not pass either" if fell_back else "")
+    exp = (f"\nModules {list(suspects)[:8]} do not see the batch as the engine assumes: it expanded their outputs of "
+           f"leading size 1 to the batch size {B} (taken as one value shared by the batch), or they saw fewer rows "
+           f"than the batch{retry}. An output of leading size 1 that is a part of the batch (a chunk of one sample, "
+           "x.chunk(2) of an odd batch) or is combined with the batch along dimension 0 (torch.cat) is not a "
+           "broadcast value, and the rows of a part of the batch are not the samples' rows." if suspects else "")
     lines = "\n".join(f"  - {f.line()}" for f in worst)
     more = f" (and {len(findings) - len(worst)} more)" if len(findings) > len(worst) else ""
     rnd = (f"\nRandom operations other than dropout ran in forward ({sorted(random_ops)}); the probe was retried in "
@@ -519,7 +736,7 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
         f"structure probe: the engine's per-sample gradients of this model do not match a brute-force batch-of-one "
         f"computation (batch size {B}), so training would not be private as stated. Parameters: "
         f"{params[:8]}{'...' if len(params) > 8 else ''}; modules: {modules[:8]}{'...' if len(modules) > 8 else ''}.\n"
-        f"Evidence{more}:\n{lines}{rnd}\n"
+        f"Evidence{more}:\n{lines}{rnd}{exp}\n"
         "Likely causes: the batch axis is not the first dimension of the model's first tensor input (a "
         "sequence-first model: pass batch_first inputs); the model mixes samples (x.chunk/split over the batch, "
         "BatchNorm, reordering or any cross-sample operation); a forward hook changes a layer's output; an output of "

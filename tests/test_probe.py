@@ -10,6 +10,8 @@ Sizes: toy models d=5, T=4..6, batches 1..7; HF models from tests/model_oracle.p
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from model_oracle import D, build_hf, check_engine, lm_batches, lm_loss
@@ -408,3 +410,29 @@ def test_peft_prompt_tuning_exact_via_fallback():
     engine = check_engine(model, lm_loss, lm_batches([4], 0), mode="BK-MixOpt")[0]
     owned = {f"{k}.{p}" if k else p for k, v in engine._extra_owned.items() for p in v}
     assert owned == {"m.prompt_encoder.default.embedding.weight"}
+
+
+def test_rounding_noise_only_is_inconclusive_not_refused():
+    """A LayerNorm over (positions, features) whose inputs are equal within a sample outputs exactly 0, so every
+    gradient of samples 0 and B-1 through it is rounding noise (~1e-14): nothing to compare. The probe then checks
+    the other samples (sample 1 has a real gradient) instead of refusing noise against noise, and stays exact."""
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(5, 1)
+            self.norm = nn.LayerNorm((2, 1), bias=False)
+            self.head = nn.Linear(1, 3, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(self.embed(x))).sum(1)
+
+    torch.manual_seed(0)
+    model = Chain().double()
+    x = torch.tensor([[3, 3], [0, 2], [4, 4]])  # samples 0 and 2: one token twice
+    y = torch.randn(3, 3, dtype=torch.float64)
+    want = oracle_release(model, mse, [((x,), y)], R=R, batch_size=3)
+    for mode in MODES:
+        got = engine_release(copy.deepcopy(model), x, y, verify=True, mode=mode)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-12)

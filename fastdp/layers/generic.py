@@ -136,6 +136,8 @@ class GenericCall:
     expanded: tuple[str, ...] = ()
     #: batch dimension of each hooked output (0 unless the owner declares another, see output_batch_dims)
     out_dims: list[int] = field(default_factory=list)
+    #: the owner's call count in the model's forward pass (``k``: its ``k``-th call), keys its learned layout
+    call_index: int = -1
 
 
 def rng_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -159,18 +161,19 @@ def replayed_rng(state: Any) -> Iterator[None]:
         yield
 
 
-def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int,
-                   module: nn.Module | None = None) -> tuple[Any, Any, tuple[Any, Any]]:
+def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, module: nn.Module | None = None,
+                   shared: frozenset[int] | tuple[int, ...] = ()) -> tuple[Any, Any, tuple[Any, Any]]:
     """Detach the tensors of a forward call and mark which are batched (leading dimension ``batch``; an RNN's
-    initial state: second dimension)."""
+    initial state: second dimension). ``shared``: flat indices (``tree_flatten((args, kwargs))``) of tensors known
+    to be shared by the batch whatever their leading size (learned by the structure probe,
+    :mod:`fastdp.layers.layout`)."""
     def detach(x: Any) -> Any:
         return x.detach() if isinstance(x, torch.Tensor) else x
 
-    def dim(x: Any) -> int | None:
-        return 0 if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch else None
-
     args_d, kwargs_d = tree_map(detach, (tuple(args), dict(kwargs)))
-    dims = tree_map(dim, (args_d, kwargs_d))
+    flat, spec = tree_flatten((args_d, kwargs_d))
+    dims = spec.unflatten([0 if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch
+                           and j not in shared else None for j, x in enumerate(flat)])
     if isinstance(module, nn.RNNBase):
         dims = _rnn_state_dims(module, args_d, kwargs_d, dims, batch)
     return args_d, kwargs_d, dims
