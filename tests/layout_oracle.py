@@ -1,4 +1,4 @@
-"""Exact-or-refused judge for the red-team tests (tests/test_layout_fuzz.py, tests/hf_sweep.py).
+"""Exact-or-refused judge for the red-team tests (tests/structure/test_layout_fuzz.py, tests/hf_sweep.py).
 
 The rule: for any model and batch layout, one logical step of the engine (noise 0) either
 

@@ -356,7 +356,7 @@ def _unchecked_rate_cls():
     class _UncheckedRate(SampleRateMonitor):
         """Test double of the engine's sample-rate monitor: counts, never flags. The oracle tests choose
         ``batch_size`` (the divisor of the released mean) independently of the batches they feed; the rate
-        check itself is tested in tests/test_accounting_guards.py."""
+        check itself is tested in tests/accounting/test_accounting_guards.py."""
 
         def observe(self, size):
             self.steps += 1

@@ -3,6 +3,6 @@
 with the kind's math and what it declares (:attr:`~fastdp.layers.base.LayerKind.refusals`,
 :attr:`~fastdp.layers.base.LayerKind.doc`, :meth:`~fastdp.layers.base.LayerKind.oracle_cases`), then pasting
 ``python -c "from fastdp.layers.registry import docs_table; print(docs_table())"`` into the marked table of
-docs/reference/layers.md. tests/test_layer_kinds.py checks that every registered kind has oracle cases that match
+docs/reference/layers.md. tests/layers/test_layer_kinds.py checks that every registered kind has oracle cases that match
 the brute-force oracle in every clipping mode and a row in that table, and that every refusal rule is reported by
 :mod:`fastdp.validate` and refused by the engine."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Link targets that a branch merged alongside this one creates (the lead's architecture page, the benchmarks page
 #: moved by the benchmark harness's branch). A link to one of them passes only while it is missing;
@@ -108,7 +108,7 @@ def test_pending_entries_are_still_pending() -> None:
     created = sorted(t for t in PENDING_TARGETS if (ROOT / t).exists())
     gone = sorted(s for s in PENDING_SOURCES if not (ROOT / s).exists())
     assert not created and not gone, (
-        f"remove these entries from tests/test_docs_links.py: targets that exist now {created}, pages that were "
+        f"remove these entries from tests/docs/test_docs_links.py: targets that exist now {created}, pages that were "
         f"moved away {gone}")
 
 

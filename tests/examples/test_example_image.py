@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("image_classification", ROOT / "examples" / "image_classification.py")
 ic = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = ic  # dataclasses look their module up there

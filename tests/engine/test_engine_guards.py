@@ -86,7 +86,7 @@ def test_input_broadcast_over_the_batch_is_exact():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))
     from oracle import MODES, compare_engine_to_oracle
 
     torch.manual_seed(3)

@@ -26,7 +26,7 @@ from torch import nn
 
 pytest.importorskip("opacus")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from opacus_runner import OpacusUnsupported, make_opacus_step  # noqa: E402
 
 import fastdp  # noqa: E402

@@ -21,7 +21,7 @@ from fastdp import NonFiniteGradientError, PrivacyBudgetExceeded, PrivacyEngine
 from fastdp.data import poisson_loader
 
 D = torch.float64
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model(seed=0):

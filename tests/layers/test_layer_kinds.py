@@ -37,7 +37,7 @@ from fastdp.layers.base import LayerKind
 from fastdp.layers.generic import GENERIC
 from fastdp.layers.spec import OracleCase
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference" / "layers.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "reference" / "layers.md"
 BEGIN, END = "<!-- supported-layers table:", "<!-- end of supported-layers table -->"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "text_classification.py"
 ROW = re.compile(r"^(non-private BiTFiT|DP-BiTFiT|DP full)\s+([\d,]+)\s+(\S+)\s+(\S+)\s+(\d+)\s+([0-9.]+)"
                  r"\s+([0-9.]+)\s*$", re.M)

@@ -8,7 +8,7 @@ P.sum(0), a (1, d) parameter added to (B, N, d), P.view(-1), a custom autograd.F
 tensor) must fall back to the per-sample replay and stay exact. Which path ran is read from
 ``engine.generic_stats`` and by counting the replay's vmap calls.
 
-Sizes: toy models d=6, N=5 positions, batches of 1, 3, 4 (and 0); ViT as in tests/test_models_timm.py.
+Sizes: toy models d=6, N=5 positions, batches of 1, 3, 4 (and 0); ViT as in tests/models/test_models_timm.py.
 """
 
 from __future__ import annotations
