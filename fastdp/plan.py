@@ -67,17 +67,19 @@ class Plan:
         return next((e for e in self.entries if e.module is module), None)
 
     def describe(self) -> list[dict[str, object]]:
-        """One row per hooked module: name, type, kind, parameters, how their norms were last computed, why generic."""
+        """One row per hooked module: name, type, kind, parameter paths, ``norm`` (path relative to the module -> how
+        the last backward pass computed its per-sample norm: ghost, instantiated, generic; "shared" for a parameter
+        with several uses), whether it shares a parameter, and why it is on the generic path."""
         name_of = {id(p): n for n, p in self.trainable.items()}
         rows = []
         for e in self.entries:
             params = [name_of[id(self.param_of[(id(e.module), n)])] for n in sorted(e.names)]
-            norms = sorted({self.last_norms.get(id(self.param_of[(id(e.module), n)]), "not run yet")
-                            for n in sorted(e.names)})
+            norms = {n: self.last_norms.get(id(self.param_of[(id(e.module), n)]), "not run yet")
+                     for n in sorted(e.names)}
             rows.append({"module": e.label, "type": type(e.module).__name__,
                          "kind": "generic" if e.generic else type(e.kind).__name__.removesuffix("Kind"),
                          "parameters": params,
-                         "norm": "/".join(norms), "tied": id(e.module) in self.tied_modules,
+                         "norm": norms, "tied": id(e.module) in self.tied_modules,
                          "why_generic": e.why_generic})
         return rows
 
@@ -87,8 +89,8 @@ class Plan:
         for r in rows:
             extra = f"; generic because {r['why_generic']}" if r["why_generic"] else ""
             tied = "; shares a parameter with another module" if r["tied"] else ""
-            lines.append(f"  {r['module']} ({r['type']}): {r['kind']}, norm {r['norm']}, "
-                         f"{', '.join(r['parameters'])}{extra}{tied}")
+            norms = ", ".join(f"{n} {how}" for n, how in r["norm"].items())
+            lines.append(f"  {r['module']} ({r['type']}): {r['kind']} [{norms}]{extra}{tied}")
         return "\n".join(lines)
 
 

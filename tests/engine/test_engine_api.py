@@ -19,6 +19,8 @@ from oracle import (
 )
 from torch import nn
 
+import fastdp
+
 D = torch.float64
 
 
@@ -395,3 +397,43 @@ def test_recurrent_layer_not_batch_first_is_refused(cls):
     model = nn.Sequential(cls(3, 4))
     with pytest.raises(ValueError, match="batch_first=True"):
         _engine(model)
+
+
+def test_plan_describes_how_each_parameter_is_handled():
+    """engine.plan: one row per hooked module (kind, parameters, why generic, tied) and, after a backward pass, how
+    each parameter's per-sample norm was computed; printable."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(7, 4)
+            self.scale = torch.nn.Parameter(torch.ones(4))  # a raw parameter: the root owns it on the generic path
+            self.head = torch.nn.Linear(4, 7)
+            self.out = torch.nn.Linear(4, 7, bias=False)
+            self.out.weight = self.head.weight  # tied
+
+        def forward(self, x):
+            h = self.emb(x) * self.scale
+            return (self.head(h) + self.out(h)).mean(1)
+
+    model = Net()
+    engine = fastdp.PrivacyEngine(model, batch_size=3, sample_size=30, noise_multiplier=0.0)
+    rows = {r["module"]: r for r in engine.plan.describe()}
+    assert set(rows) == {"<root>", "emb", "head", "out"}
+    assert rows["<root>"]["kind"] == "generic" and rows["<root>"]["parameters"] == ["scale"]
+    assert "no layer kind covers Net" in rows["<root>"]["why_generic"]
+    assert rows["head"]["tied"] and rows["out"]["tied"] and not rows["emb"]["tied"]
+    assert rows["emb"]["norm"] == {"weight": "not run yet"}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    x, y = torch.randint(0, 7, (3, 5)), torch.tensor([0, 1, 2])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    rows = {r["module"]: r for r in engine.plan.describe()}
+    assert rows["<root>"]["norm"] == {"scale": "generic"}
+    assert rows["head"]["norm"]["weight"].endswith("(shared)") and rows["head"]["norm"]["bias"] == "instantiated"
+    assert rows["emb"]["norm"]["weight"] in ("ghost", "instantiated")
+    text = str(engine.plan)
+    assert text.startswith("fastdp plan: 4 trainable tensors in 4 hooked modules")
+    assert "<root> (Net): generic [scale generic]; generic because no layer kind covers Net" in text
+    engine.detach()
