@@ -6,7 +6,8 @@ which does one complete step: zero grads, forward, loss, backward, ``optimizer.s
 ``torch.optim.SGD(lr=lr)`` (no momentum) over the parameters that require grad. Both modes release
 ``(sum_i clip(g_i) + sigma R xi) / batch_size`` with ``clip(g) = g min(1, R / (||g|| + 1e-6))`` over all trainable
 parameters together (Opacus ``clipping="flat"``), the same thing fastdp releases with ``clipping_fn="abadi"``,
-``clipping_style="all-layer"``, ``loss_reduction="mean"``; ``tests/models/test_opacus_parity.py`` checks that they agree.
+``clipping_style="all-layer"``, ``loss_reduction="mean"``; ``tests/models/test_opacus_parity.py`` checks that they
+agree.
 
 Modes
 -----
@@ -24,7 +25,8 @@ Loss: ``task="cls"``: logits ``(B, C)``, targets ``(B,)``, cross-entropy average
 logits ``(B, T, V)``, targets ``(B, T)``, cross-entropy averaged over all ``B*T`` tokens (per sample the mean of its
 ``T`` tokens, then the mean over samples; in ghost mode via ``criterion(..., shape=(B, T))``).
 
-Model support (Opacus 1.6.0, torch 2.14, transformers 5.23, timm 1.0.31; pinned by ``tests/models/test_opacus_parity.py``):
+Model support (Opacus 1.6.0, torch 2.14, transformers 5.23, timm 1.0.31; pinned by
+``tests/models/test_opacus_parity.py``):
 
 * HF ``RobertaForSequenceClassification``: runs in both modes (Linear, Embedding, LayerNorm hooks).
 * timm ``VisionTransformer``: runs in both modes, but the ``VisionTransformer`` module itself owns raw parameters

@@ -91,8 +91,8 @@ def data(n: int, seed: int):
 
 
 def setup(mode="BK-MixOpt", sigma=0.0, **kw):
-    # The injected failures count calls; the structure probe's passes (tests/structure/test_probe.py) would consume them, so
-    # it is off here unless a test asks for it (test_failure_inside_the_probe_leaves_the_engine_clean).
+    # The injected failures count calls; the structure probe's passes (tests/structure/test_probe.py) would consume
+    # them, so it is off here unless a test asks for it (test_failure_inside_the_probe_leaves_the_engine_clean).
     kw.setdefault("verify_structure", False)
     torch.manual_seed(0)
     model = Net().to(D)
