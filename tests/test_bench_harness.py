@@ -124,7 +124,7 @@ QUICK = {  # (extra arguments, what a row must hold) per preset; Opacus is left 
              "DP-BiTFiT"], "times_s"),
     "paper": (["--models", "roberta", "--methods", "non-private", zoo.DEFAULT_METHOD], "times_s"),
     "engine": ([], "memory_mb"),
-    "models": (["--no-memory"], "times_s"),
+    "models": (["--no-memory", "--models", "gpt2", "vit"], "times_s"),
     "bitfit-trend": ([], "times_s"),
     "on-arrival": ([], "times_s"),
     "probe-cost": ([], "probe_s"),
