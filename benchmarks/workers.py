@@ -5,7 +5,8 @@ per workload for timings and per method for memory).
   wall and process CPU time per step.
 * ``worker_runs``: every method does whole runs of ``steps`` steps with a freshly built model and engine, rounds
   alternating; one-off costs of the first steps (the structure probe) are inside the timing.
-* ``worker_memory``: peak memory growth over a few steps of one method (peak RSS on CPU, allocator peak on CUDA).
+* ``worker_memory``: peak memory growth over a few steps of one method after one unmeasured step (peak RSS on
+  CPU, allocator peak on CUDA).
 * ``worker_fits``: whether two steps at a batch size run without running out of memory.
 * ``worker_noise``: ``gaussian_noise`` against ``secure_gaussian``, alternating calls.
 
@@ -15,6 +16,8 @@ Each returns a JSON-able dict: per method ``{"times_s": [...]}``, ``{"unsupporte
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -117,18 +120,34 @@ def worker_runs(w: zoo.Workload, methods: list[str], device: torch.device, reps:
     return out
 
 
+def _release_free_heap() -> None:
+    """Hand memory that the C allocator holds but no tensor uses back to the OS (glibc ``malloc_trim``), so the
+    resident size measures live memory; a no-op where it is unavailable."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_memory(w: zoo.Workload, method: str, device: torch.device, mem_steps: int) -> dict:
-    """Peak memory growth (bytes) over ``mem_steps`` steps of one method, in this (fresh) process."""
+    """Peak memory growth (bytes) over ``mem_steps`` steps of one method, in this (fresh) process, after one
+    unmeasured step: the steady state, without one-off costs of the first step (fastdp's structure probe, which the
+    probe-cost preset measures; lazily built state)."""
     data = zoo.make_batch(w, device)
     try:
         step = zoo.make_step(w, method, device)
+        step(data)
     except zoo.Unsupported as e:
         return {"unsupported": str(e)}
+    except Exception as e:
+        return {"unsupported" if method.startswith("Opacus") else "error": failure(e)}
+    gc.collect()
     if device.type == "cuda":
         sync(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
+        _release_free_heap()
         before = _rss_bytes()
         _reset_peak_rss()
     try:
