@@ -263,6 +263,7 @@ def _apply_preset(args: argparse.Namespace, preset: presets.Preset) -> None:
                                                                 else preset.warmup)
     args.steps = args.steps if args.steps is not None else (3 if args.quick else preset.steps)
     args.memory = preset.memory and not args.no_memory
+    args.mem_warmup = 1  # (workers.worker_memory: one unmeasured step before the peak is measured)
     if args.quick:
         args.mem_steps = 1
 

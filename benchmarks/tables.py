@@ -70,7 +70,9 @@ def header(results: dict) -> str:
         text += (f" Time: {cfg['reps']} alternating rounds after {cfg['warmup']} warm-up steps, median step time "
                  "and its ratio to non-private training in the same process.")
         if any("memory_mb" in r for wl in results["workloads"] for r in wl["methods"].values()):
-            text += (f" Memory: peak growth over {cfg['mem_steps']} steps in a fresh process per method "
+            warm = (f" after {cfg['mem_warmup']} unmeasured step" if cfg.get("mem_warmup") else
+                    " from the first step (before the structure probe existed)")
+            text += (f" Memory: peak growth over {cfg['mem_steps']} steps{warm}, in a fresh process per method "
                      f"({'allocator peak' if env['device'] == 'cuda' else 'peak RSS'}).")
     elif kind == "runs":
         text += (f" {cfg['reps']} alternating rounds of whole {cfg['steps']}-step runs, each with a freshly built "
