@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> None:
         args.max_batch = device.type == "cuda" and preset.kind == "steps" and preset.memory
     _apply_preset(args, preset)
     workloads = preset.make_workloads(args.models, args.sizes, args.batch, args.quick)
+    if not workloads and preset.kind != "noise":
+        sys.exit(f"preset {preset.name!r} has no workload for --models {args.models}; its models: "
+                 f"{sorted({w[0] for w in preset.workloads})}")
     if args.profile:
         import profile_step
 

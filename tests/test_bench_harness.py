@@ -207,3 +207,8 @@ def test_the_docs_tables_are_what_the_saved_results_give():
     assert changed == [], f"regenerate with python benchmarks/tables.py: {changed}"
     names = [n for doc in tables.doc_files(ROOT) for n in tables.MARKER.findall(doc.read_text())]
     assert names, "no generated tables found in the docs"
+
+
+def test_a_model_the_preset_lacks_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="preset 'engine' has no workload.*'tinylm'"):
+        run.main(["--preset", "engine", "--models", "gpt2", "--in-process", "--results-dir", str(tmp_path)])
