@@ -339,6 +339,15 @@ def plot(results: dict, img_dir: Path) -> list[Path]:
     return paths
 
 
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        logger.warning("matplotlib is not installed: plots not redrawn")
+        return False
+    return True
+
+
 def _images(results: dict, img_dir: Path, doc: Path) -> str:
     preset = results.get("preset") or results["config"].get("preset")
     found = sorted(img_dir.glob(f"bench_{results['env']['device']}_{preset}_*.png"))
@@ -373,7 +382,7 @@ def write_docs(results_dir: Path = RESULTS, root: Path = ROOT, check: bool = Fal
     """Rewrite every marked table under ``root`` (README.md, docs/); with ``check``, write nothing and return
     only the tables that differ."""
     img_dir = root / "docs" / "img"
-    if not check:
+    if not check and _has_matplotlib():
         for path in sorted(results_dir.glob("run_*.json")):
             if "_quick" not in path.stem:
                 plot(json.loads(path.read_text()), img_dir)
