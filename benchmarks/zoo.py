@@ -1,8 +1,9 @@
 """Workloads and methods of the benchmark harness (``benchmarks/run.py``).
 
 A *workload* is a model family, a size (sequence length T for text, image side for images), a batch size and a
-preset (``cpu``: scaled for a 2-core CPU; ``paper``: GPT-2 small / RoBERTa-base / ViT-Base widths for a GPU). Every
-model is built from a config with random weights: nothing is downloaded.
+width set (``WIDTHS``: ``cpu`` scaled for a 2-core CPU; ``paper`` GPT-2 small / RoBERTa-base / ViT-Base widths for a
+GPU; ``wide`` GPT-2-small width with 2 layers; ``p16`` a ViT with patch 16; ``tiny`` for smoke runs and tests).
+Every model is built from a config with random weights: nothing is downloaded.
 
 A *method* is how one training step is taken:
 
@@ -11,7 +12,10 @@ A *method* is how one training step is taken:
 * ``fastdp <mode>``: fastdp's ``PrivacyEngine`` with that ``clipping_mode`` (``BK-MixOpt`` is the default);
 * ``DP-BiTFiT``: fastdp's default mode on the biases only;
 * ``Opacus hooks`` / ``Opacus ghost``: Opacus 1.6 (``benchmarks/opacus_runner.py``), per-sample gradients
-  instantiated by hooks, or its two-backward ghost clipping.
+  instantiated by hooks, or its two-backward ghost clipping;
+* variants of the default mode for A/B measurements (``VARIANTS``): ``fastdp BK-MixOpt, on arrival off``
+  (instantiation on arrival switched off, docs/engine.md) and ``fastdp BK-MixOpt, no probe`` (``verify_structure=
+  False``).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -27,21 +31,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TEXT_MODELS = ("gpt2", "roberta")
-IMAGE_MODELS = ("vit", "resnet")
+from fastdp.modes import CLIPPING_MODES as _MODES
+
+TEXT_MODELS = ("gpt2", "roberta", "tinylm")
+IMAGE_MODELS = ("vit", "resnet", "cnn")
 MODELS = TEXT_MODELS + IMAGE_MODELS
-FASTDP_MODES = ("BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate")
+FASTDP_MODES: tuple[str, ...] = tuple(_MODES)
+DEFAULT_METHOD = f"fastdp {FASTDP_MODES[0]}"
+#: A/B variants of the default mode: method name -> (engine keyword arguments, engine attributes set after attach)
+VARIANTS: dict[str, tuple[dict, dict]] = {
+    f"{DEFAULT_METHOD}, on arrival off": ({}, {"_capture.on_arrival": False}),
+    f"{DEFAULT_METHOD}, no probe": ({"verify_structure": False}, {}),
+}
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
-           "Opacus hooks", "Opacus ghost")
-DEFAULT_METHOD = "fastdp BK-MixOpt"
+           "Opacus hooks", "Opacus ghost", *VARIANTS)
 DEFAULT_SIZES = {"gpt2": (64, 256, 1024), "roberta": (64, 256, 1024), "vit": (32, 64, 128),
-                 "resnet": (32, 64, 128)}
-#: (vocab or classes, width d, layers, heads, ViT patch) per preset
+                 "resnet": (32, 64, 128), "tinylm": (64, 128), "cnn": (32,)}
+#: (vocab or classes, width d, layers, heads, ViT patch) per width set; a set need not define every model
 WIDTHS = {
     "cpu": {"gpt2": (8000, 256, 4, 4, 0), "roberta": (8000, 256, 4, 4, 0), "vit": (10, 192, 4, 3, 8),
-            "resnet": (10, 0, 0, 0, 0)},
+            "resnet": (10, 0, 0, 0, 0), "tinylm": (8000, 256, 4, 4, 0), "cnn": (10, 16, 0, 0, 0)},
     "paper": {"gpt2": (50257, 768, 12, 12, 0), "roberta": (50265, 768, 12, 12, 0), "vit": (10, 768, 12, 12, 16),
               "resnet": (10, 0, 0, 0, 0)},
+    "wide": {"gpt2": (8000, 768, 2, 12, 0)},
+    "p16": {"vit": (10, 192, 4, 3, 16)},
+    "probe": {"gpt2": (256, 64, 2, 4, 0)},
+    "tiny": {"gpt2": (50, 16, 1, 2, 0), "roberta": (50, 16, 1, 2, 0), "vit": (10, 16, 1, 2, 4),
+             "resnet": (10, 0, 0, 0, 0), "tinylm": (50, 16, 1, 2, 0), "cnn": (10, 4, 0, 0, 0)},
 }
 
 
@@ -51,12 +67,17 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Workload:
-    """One model at one size. ``size`` is T (text) or the image side (images)."""
+    """One model at one size. ``size`` is T (text) or the image side (images); ``widths`` names a ``WIDTHS`` set."""
 
     model: str
     size: int
     batch: int
-    preset: str = "cpu"
+    widths: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.model not in WIDTHS.get(self.widths, {}):
+            raise ValueError(f"width set {self.widths!r} has no {self.model!r}; sets with it: "
+                             f"{[k for k, v in WIDTHS.items() if self.model in v]}")
 
     @property
     def is_text(self) -> bool:
@@ -64,7 +85,8 @@ class Workload:
 
     @property
     def tag(self) -> str:
-        return f"{self.model}-{'T' if self.is_text else 'img'}{self.size}-B{self.batch}"
+        wid = "" if self.widths == "cpu" else f"-{self.widths}"
+        return f"{self.model}{wid}-{'T' if self.is_text else 'img'}{self.size}-B{self.batch}"
 
     @property
     def tokens(self) -> int:
@@ -72,15 +94,15 @@ class Workload:
         if self.is_text:
             return self.size
         if self.model == "vit":
-            return (self.size // WIDTHS[self.preset]["vit"][4]) ** 2 + 1
+            return (self.size // WIDTHS[self.widths]["vit"][4]) ** 2 + 1
         return 0
 
     @property
     def is_transformer(self) -> bool:
-        return self.model in ("gpt2", "roberta", "vit")
+        return self.model in ("gpt2", "roberta", "vit", "tinylm")
 
     def describe(self) -> str:
-        vocab, d, layers, heads, patch = WIDTHS[self.preset][self.model]
+        vocab, d, layers, heads, patch = WIDTHS[self.widths][self.model]
         if self.model == "gpt2":
             return f"HF GPT-2 LM (vocab {vocab}, d {d}, {layers} layers, {heads} heads, tied head), T {self.size}"
         if self.model == "roberta":
@@ -88,13 +110,18 @@ class Workload:
         if self.model == "vit":
             return (f"timm ViT (patch {patch}, d {d}, {layers} layers, {heads} heads), {self.size}x{self.size} "
                     f"images ({self.tokens} tokens)")
+        if self.model == "tinylm":
+            return (f"plain-torch LM (Embedding/Linear/LayerNorm, vocab {vocab}, d {d}, {layers} layers, {heads} "
+                    f"heads), T {self.size}")
+        if self.model == "cnn":
+            return f"small CNN (2 conv + GroupNorm + linear, {d} channels), {self.size}x{self.size} images"
         return f"timm ResNet-18 with GroupNorm, {self.size}x{self.size} images"
 
 
-def default_batch(model: str, size: int, preset: str) -> int:
+def default_batch(model: str, size: int, widths: str) -> int:
     """Batch sizes with about the same work per step at every size: B·T = 2048 tokens for text, about 2048 tokens
     for the ViT (B 64, 32, 8 at 32², 64², 128² with patch 8), 64k pixels for the ResNet (B 64, 16, 4)."""
-    if preset == "paper":
+    if widths == "paper":
         return {"gpt2": 16, "roberta": 32}.get(model, 64) if model in TEXT_MODELS else 64
     if model in TEXT_MODELS:
         return max(2, 2048 // size)
@@ -105,7 +132,13 @@ def default_batch(model: str, size: int, preset: str) -> int:
 
 def make_model(w: Workload) -> nn.Module:
     """Build the workload's model from its config, random weights, in train mode."""
-    vocab, d, layers, heads, patch = WIDTHS[w.preset][w.model]
+    vocab, d, layers, heads, patch = WIDTHS[w.widths][w.model]
+    if w.model == "tinylm":
+        return TinyLM(vocab, d, layers, heads, w.size).train()
+    if w.model == "cnn":
+        return nn.Sequential(nn.Conv2d(3, d, 3, padding=1), nn.GroupNorm(4, d), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(d, 2 * d, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                             nn.Linear(32 * d, vocab)).train()
     if w.model in TEXT_MODELS:
         import transformers
 
@@ -139,23 +172,60 @@ def _group_norm(num_channels: int, **kwargs: object) -> nn.Module:
     return nn.GroupNorm(min(32, num_channels), num_channels)
 
 
+class _Block(nn.Module):
+    """Pre-norm transformer block of plain torch layers; attention itself is parameter-free (SDPA, causal)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.reshape(B, T, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d)
+        x = x + self.proj(att)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    """A language model of ``nn.Embedding``, ``nn.Linear`` and ``nn.LayerNorm`` only: ids (B, T) -> logits
+    (B, T, vocab); position ids are built per sample, (B, T), so nothing is broadcast over the batch."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, max_len: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device).expand(B, T))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
 def forward_fn(w: Workload) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     """``forward(model, inputs) -> logits``."""
-    if w.is_text:
+    if w.model in ("gpt2", "roberta"):
         return lambda m, x: m(input_ids=x).logits
     return lambda m, x: m(x)
 
 
 def task(w: Workload) -> str:
     """``"lm"`` (logits (B, T, V), targets (B, T)) or ``"cls"`` (logits (B, C), targets (B,))."""
-    return "lm" if w.model == "gpt2" else "cls"
+    return "lm" if w.model in ("gpt2", "tinylm") else "cls"
 
 
 def make_batch(w: Workload, device: torch.device, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed synthetic batch ``(inputs, targets)`` on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    vocab = WIDTHS[w.preset][w.model][0]
-    if w.model == "gpt2":
+    vocab = WIDTHS[w.widths][w.model][0]
+    if w.model in ("gpt2", "tinylm"):
         ids = torch.randint(0, vocab, (w.batch, w.size + 1), generator=g)
         x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     elif w.model == "roberta":
@@ -207,15 +277,26 @@ def make_step(w: Workload, method: str, device: torch.device, seed: int = 0,
 
         return checked_step
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    engine = None
     if method.startswith("fastdp") or method == "DP-BiTFiT":
         from fastdp import PrivacyEngine
 
-        mode = method.split()[1] if method.startswith("fastdp") else "BK-MixOpt"
+        mode = method.split()[1].rstrip(",") if method.startswith("fastdp") else FASTDP_MODES[0]
+        kwargs, attrs = VARIANTS.get(method, ({}, {}))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine = PrivacyEngine(model, batch_size=w.batch, sample_size=100 * w.batch, noise_multiplier=1.0,
-                                   max_grad_norm=1.0, clipping_mode=mode, accountant="rdp")
+                                   max_grad_norm=1.0, clipping_mode=mode, accountant="rdp", **kwargs)
         engine.attach(opt)
+        for name, value in attrs.items():  # private switches (dotted paths), for A/B measurements only
+            owner_path, _, attr = name.rpartition(".")
+            owner = engine
+            for part in filter(None, owner_path.split(".")):
+                owner = getattr(owner, part, None)
+            if owner is None or not hasattr(owner, attr):
+                raise RuntimeError(f"method {method!r} sets PrivacyEngine.{name}, which this fastdp does not have; "
+                                   "update zoo.VARIANTS")
+            setattr(owner, attr, value)
 
     def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
         x, y = data
@@ -223,4 +304,5 @@ def make_step(w: Workload, method: str, device: torch.device, seed: int = 0,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    step.engine = engine  # type: ignore[attr-defined]  # (None for non-private methods; probe_stats for reports)
     return step

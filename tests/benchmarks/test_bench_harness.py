@@ -1,10 +1,12 @@
-"""The benchmark harness's own logic (benchmarks/run.py, benchmarks/zoo.py): the largest-batch search, the target
-checks, the reports, and one real timing worker on a tiny workload. No timing is asserted."""
+"""The benchmark harness's own logic (benchmarks/run.py, zoo.py, presets.py, workers.py, tables.py): the
+largest-batch search, the target checks, the reports, every preset end to end in quick mode on tiny models, and the
+docs' generated tables. No timing is asserted."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +17,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 run = pytest.importorskip("run")
 zoo = pytest.importorskip("zoo")
+tables = pytest.importorskip("tables")
+workers = pytest.importorskip("workers")
+presets = pytest.importorskip("presets")
 
 
 @pytest.mark.parametrize("limit", [1, 3, 5, 8, 13, 100, 1000, 5000])
@@ -53,30 +58,31 @@ def _result(default_t, default_m, opacus_t, bitfit_t, model="gpt2", size=64):
                "Opacus hooks": {"median_s": opacus_t, "time_ratio": opacus_t},
                "Opacus ghost": {"unsupported": "reason"},
                "DP-BiTFiT": {"median_s": bitfit_t, "time_ratio": bitfit_t}}
-    return {"workload": {"model": model, "size": size, "batch": 4, "preset": "cpu"}, "tag": w.tag,
+    return {"workload": {"model": model, "size": size, "batch": 4, "widths": "cpu"}, "tag": w.tag,
             "describe": w.describe(), "tokens": w.tokens, "methods": methods}
 
 
 def test_targets_are_checked_against_the_thresholds():
-    ok = run.evaluate_targets({"workloads": [_result(1.1, 1.05, 2.0, 0.6)]})
+    ok = tables.evaluate_targets({"workloads": [_result(1.1, 1.05, 2.0, 0.6)]})
     assert [t["met"] for t in ok] == [True, True, True, True]
-    bad = run.evaluate_targets({"workloads": [_result(1.3, 1.25, 1.5, 0.75)]})
+    bad = tables.evaluate_targets({"workloads": [_result(1.3, 1.25, 1.5, 0.75)]})
     assert [t["met"] for t in bad] == [False, False, False, False]
     # T > 256 and ResNet: no <= 1.2x check
-    long = run.evaluate_targets({"workloads": [_result(1.3, 1.3, 2.0, 0.6, size=1024),
+    long = tables.evaluate_targets({"workloads": [_result(1.3, 1.3, 2.0, 0.6, size=1024),
                                                _result(1.3, 1.3, 2.0, 0.6, model="resnet", size=32)]})
     assert not any("1.2x" in t["target"] for t in long)
 
 
 def test_reports_render_every_row(tmp_path):
     res = {"command": "c", "json": "j", "env": {"device": "cpu", "cpu": "x", "threads": 2, "torch": "t",
-                                                "date": "d"},
+                                                "date": "d", "cpu_count": 2},
            "config": {"reps": 1, "warmup": 1, "mem_steps": 1, "preset": "cpu"},
            "workloads": [_result(1.1, 1.05, 2.0, 0.6)]}
-    text = run.render_markdown(res, "c")
+    text = tables.render_steps(res, targets=True)
     assert "not supported: reason" in text and "| DP-BiTFiT | 600.0 | 0.60x |" in text
-    run.write_csv(res, tmp_path / "r.csv")
+    tables.write_csv(res, tmp_path / "r.csv")
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    assert "Targets" in text and "checks met" in text
     assert len(rows) == 5 and {r["status"] for r in rows} == {"ok", "not supported: reason"}
 
 
@@ -84,14 +90,9 @@ def test_timing_worker_runs_fastdp_and_baselines_on_a_tiny_workload():
     pytest.importorskip("transformers")
     import torch
 
-    w = zoo.Workload("gpt2", 8, 2)
-    saved = zoo.WIDTHS["cpu"]["gpt2"]
-    zoo.WIDTHS["cpu"]["gpt2"] = (50, 16, 1, 2, 0)
-    try:
-        out = run.worker_time(w, ["non-private", zoo.DEFAULT_METHOD, "DP-BiTFiT"], torch.device("cpu"), reps=2,
+    w = zoo.Workload("gpt2", 8, 2, "tiny")
+    out = workers.worker_time(w, ["non-private", zoo.DEFAULT_METHOD, "DP-BiTFiT"], torch.device("cpu"), reps=2,
                               warmup=1)
-    finally:
-        zoo.WIDTHS["cpu"]["gpt2"] = saved
     assert set(out) == {"non-private", zoo.DEFAULT_METHOD, "DP-BiTFiT"}
     assert all(len(r["times_s"]) == 2 for r in out.values()), out
 
@@ -99,3 +100,115 @@ def test_timing_worker_runs_fastdp_and_baselines_on_a_tiny_workload():
 def test_every_method_has_a_builder():
     with pytest.raises(ValueError, match="unknown method"):
         zoo.make_step(zoo.Workload("gpt2", 8, 2), "nope", device=None)
+
+
+def test_variants_set_their_switches():
+    import torch
+
+    w = zoo.Workload("tinylm", 8, 2, "tiny")
+    on = zoo.make_step(w, zoo.DEFAULT_METHOD, torch.device("cpu"))
+    off = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, on arrival off", torch.device("cpu"))
+    unprobed = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, no probe", torch.device("cpu"))
+    assert on.engine._capture.on_arrival and not off.engine._capture.on_arrival
+    assert on.engine.verify_structure and not unprobed.engine.verify_structure
+    assert zoo.make_step(w, "non-private", torch.device("cpu")).engine is None
+
+
+def test_workload_refuses_a_width_set_without_the_model():
+    with pytest.raises(ValueError, match="width set 'wide' has no 'vit'"):
+        zoo.Workload("vit", 224, 8, "wide")
+
+
+QUICK = {  # (extra arguments, what a row must hold) per preset; Opacus is left out where it is not installed
+    "cpu": (["--models", "gpt2", "vit", "--methods", "non-private", zoo.DEFAULT_METHOD, "fastdp ghost",
+             "DP-BiTFiT"], "times_s"),
+    "paper": (["--models", "roberta", "--methods", "non-private", zoo.DEFAULT_METHOD], "times_s"),
+    "engine": (["--no-memory"], "times_s"),
+    "models": (["--models", "gpt2", "vit"], "memory_mb"),
+    "bitfit-trend": ([], "times_s"),
+    "on-arrival": ([], "times_s"),
+    "probe-cost": ([], "probe_s"),
+    "noise": ([], "times_s"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_every_preset_runs_in_quick_mode_and_renders(name, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("timm")
+    assert set(QUICK) == set(presets.PRESETS), "a new preset needs a quick test"
+    extra, key = QUICK[name]
+    run.main(["--preset", name, "--quick", "--in-process", "--device", "cpu", "--results-dir", str(tmp_path),
+              *extra])
+    results = json.loads((tmp_path / f"run_cpu_{name}_quick.json").read_text())
+    assert results["preset"] == name and results["workloads"]
+    for wl in results["workloads"]:
+        for m, r in wl["methods"].items():
+            assert key in r, (wl["tag"], m, r)
+            assert "median_s" in r and r["time_ratio"] > 0, (wl["tag"], m, r)
+    if name == "probe-cost":  # the probe ran in the runs with it, and not in the others
+        for wl in results["workloads"]:
+            assert wl["methods"][zoo.DEFAULT_METHOD]["probe_median_s"] > 0
+            assert wl["methods"][f"{zoo.DEFAULT_METHOD}, no probe"]["probe_s"] == [0.0]
+    text = tables.render(results)
+    printed = capsys.readouterr().out
+    assert text in printed
+    for view in (None, "steps") if results["kind"] == "steps" else (None,):
+        body = tables.render(results, view)
+        assert results["json"] in body
+    rows = list(csv.DictReader(open(tmp_path / f"run_cpu_{name}_quick.csv")))
+    assert len(rows) == sum(len(wl["methods"]) for wl in results["workloads"])
+    assert {r["status"] for r in rows} == {"ok"}
+
+
+def _doc(tmp_path, body):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    doc = tmp_path / "docs" / "results" / "b.md"
+    doc.write_text(body)
+    return doc
+
+
+def test_tables_rewrite_only_between_markers(tmp_path):
+    res_dir = tmp_path / "res"
+    res_dir.mkdir()
+    res = {"command": "c", "json": "benchmarks/results/run_cpu_x.json", "preset": "models", "kind": "steps",
+           "env": {"device": "cpu", "cpu": "x", "threads": 2, "torch": "t", "date": "d", "cpu_count": 2},
+           "config": {"reps": 1, "warmup": 1, "mem_steps": 1, "preset": "models"},
+           "workloads": [_result(1.1, 1.05, 2.0, 0.6)]}
+    res["workloads"][0]["methods"]["non-private BiTFiT"] = {"median_s": 0.5, "time_ratio": 0.5, "memory_mb": 80.0}
+    res["workloads"][0]["methods"]["DP-BiTFiT"]["memory_mb"] = 88.0
+    (res_dir / "run_cpu_x.json").write_text(json.dumps(res))
+    doc = _doc(tmp_path, "# T\n\nhand text 9.99x\n\n<!-- table:run_cpu_x -->\nold 1.23x\n<!-- /table -->\n\nmore "
+                         "text\n<!-- table:run_cpu_x:bitfit -->\n<!-- /table -->\n")
+    changed = tables.write_docs(res_dir, tmp_path)
+    text = doc.read_text()
+    assert {n for _, n in changed} == {"run_cpu_x", "run_cpu_x:bitfit"}
+    assert "old 1.23x" not in text and "hand text 9.99x" in text and "more text" in text
+    assert "| DP-BiTFiT | 600.0 | 0.60x |" in text  # the steps view
+    assert "| 1.20x | 0.60x | 1.10x | 0.50x |" in text  # bitfit view: 0.6/0.5 time, 88/80 memory
+    assert text.count("<!-- /table -->") == 2
+    assert tables.write_docs(res_dir, tmp_path, check=True) == []  # idempotent: nothing left to change
+    doc.write_text(text.replace("0.60x", "0.59x", 1))
+    assert tables.write_docs(res_dir, tmp_path, check=True)  # a hand edit between markers is found
+
+
+def test_tables_name_a_missing_result_or_view(tmp_path):
+    (tmp_path / "res").mkdir()
+    _doc(tmp_path, "<!-- table:run_cpu_nothing -->\n<!-- /table -->\n")
+    with pytest.raises(FileNotFoundError, match="run_cpu_nothing"):
+        tables.write_docs(tmp_path / "res", tmp_path)
+    with pytest.raises(ValueError, match="unknown table view 'nope'"):
+        tables.render({"workloads": []}, "nope")
+
+
+def test_the_docs_tables_are_what_the_saved_results_give():
+    """Every generated table in README.md and docs/ matches benchmarks/results/ (python benchmarks/tables.py)."""
+    changed = tables.write_docs(check=True)
+    assert changed == [], f"regenerate with python benchmarks/tables.py: {changed}"
+    names = [n for doc in tables.doc_files(ROOT) for n in tables.MARKER.findall(doc.read_text())]
+    assert names, "no generated tables found in the docs"
+
+
+def test_a_model_the_preset_lacks_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="preset 'engine' has no workload.*'tinylm'"):
+        run.main(["--preset", "engine", "--models", "gpt2", "--in-process", "--results-dir", str(tmp_path)])

@@ -1,0 +1,203 @@
+"""What the benchmark harness measures inside one process (``benchmarks/run.py`` starts them, one fresh process
+per workload for timings and per method for memory).
+
+* ``worker_time``: every method takes one step per round, in an order that rotates each round, after warm-up steps;
+  wall and process CPU time per step.
+* ``worker_runs``: every method does whole runs of ``steps`` steps with a freshly built model and engine, rounds
+  alternating; one-off costs of the first steps (the structure probe) are inside the timing.
+* ``worker_memory``: peak memory growth over a few steps of one method after one unmeasured step (peak RSS on
+  CPU, allocator peak on CUDA).
+* ``worker_fits``: whether two steps at a batch size run without running out of memory.
+* ``worker_noise``: ``gaussian_noise`` against ``secure_gaussian``, alternating calls.
+
+Each returns a JSON-able dict: per method ``{"times_s": [...]}``, ``{"unsupported": reason}`` or
+``{"error": message}``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import zoo
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets VmHWM
+        f.write("5")
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux")
+
+
+def failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def _rotations(order: list[str], rounds: int):
+    for r in range(rounds):
+        yield order[r % len(order):] + order[: r % len(order)] if order else []
+
+
+def worker_time(w: zoo.Workload, methods: list[str], device: torch.device, reps: int, warmup: int) -> dict:
+    """Alternating timing of every method in this process. Returns {method: {"times_s": [...], "cpu_times_s":
+    [...]} or {"unsupported": reason} or {"error": message}}."""
+    out: dict[str, dict] = {}
+    steps = {}
+    data = zoo.make_batch(w, device)
+    for m in methods:
+        try:
+            steps[m] = zoo.make_step(w, m, device)
+        except zoo.Unsupported as e:
+            out[m] = {"unsupported": str(e)}
+        except Exception as e:  # a fastdp failure is a bug: report it, keep the other rows
+            out[m] = {"error": failure(e)}
+    for m in list(steps):
+        try:
+            for _ in range(warmup):
+                steps[m](data)
+        except zoo.Unsupported as e:
+            out[m] = {"unsupported": str(e)}
+            del steps[m]
+        except Exception as e:
+            out[m] = {"unsupported" if m.startswith("Opacus") else "error": failure(e)}
+            del steps[m]
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    cpu_times: dict[str, list[float]] = {m: [] for m in steps}
+    for order in _rotations(list(steps), reps):
+        for m in order:
+            sync(device)
+            c0, t0 = time.process_time(), time.perf_counter()
+            steps[m](data)
+            sync(device)
+            times[m].append(time.perf_counter() - t0)
+            cpu_times[m].append(time.process_time() - c0)
+    for m, ts in times.items():
+        out[m] = {"times_s": ts, "cpu_times_s": cpu_times[m]}
+    return out
+
+
+def worker_runs(w: zoo.Workload, methods: list[str], device: torch.device, reps: int, steps: int) -> dict:
+    """``reps`` alternating rounds; in each, every method builds its model and engine afresh and runs ``steps``
+    steps. Returns {method: {"times_s": [run seconds], "probe_s": [engine.probe_stats["seconds"] per run]}}."""
+    out: dict[str, dict] = {m: {"times_s": [], "probe_s": []} for m in methods}
+    data = zoo.make_batch(w, device)
+    for order in _rotations(list(methods), reps):
+        for m in order:
+            if "error" in out[m]:
+                continue
+            try:
+                step = zoo.make_step(w, m, device)
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(data)
+                sync(device)
+                out[m]["times_s"].append(time.perf_counter() - t0)
+                engine = getattr(step, "engine", None)
+                out[m]["probe_s"].append(engine.probe_stats["seconds"] if engine is not None else None)
+            except Exception as e:
+                out[m] = {"error": failure(e)}
+    return out
+
+
+def _release_free_heap() -> None:
+    """Hand memory that the C allocator holds but no tensor uses back to the OS (glibc ``malloc_trim``), so the
+    resident size measures live memory; a no-op where it is unavailable."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_memory(w: zoo.Workload, method: str, device: torch.device, mem_steps: int) -> dict:
+    """Peak memory growth (bytes) over ``mem_steps`` steps of one method, in this (fresh) process, after one
+    unmeasured step: the steady state, without one-off costs of the first step (fastdp's structure probe, which the
+    probe-cost preset measures; lazily built state)."""
+    data = zoo.make_batch(w, device)
+    try:
+        step = zoo.make_step(w, method, device)
+        step(data)
+    except zoo.Unsupported as e:
+        return {"unsupported": str(e)}
+    except Exception as e:
+        return {"unsupported" if method.startswith("Opacus") else "error": failure(e)}
+    gc.collect()
+    if device.type == "cuda":
+        sync(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        _release_free_heap()
+        before = _rss_bytes()
+        _reset_peak_rss()
+    try:
+        for _ in range(mem_steps):
+            step(data)
+    except Exception as e:
+        return {"unsupported" if method.startswith("Opacus") else "error": failure(e)}
+    if device.type == "cuda":
+        sync(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = _peak_rss_bytes()
+    return {"memory_bytes": peak - before}
+
+
+def worker_fits(w: zoo.Workload, method: str, device: torch.device) -> dict:
+    """Whether two steps of ``method`` at this batch size run without running out of memory."""
+    try:
+        data = zoo.make_batch(w, device)
+        step = zoo.make_step(w, method, device)
+        for _ in range(2):
+            step(data)
+        sync(device)
+    except torch.cuda.OutOfMemoryError:  # (the same class as torch.OutOfMemoryError)
+        return {"fits": False}
+    except zoo.Unsupported as e:
+        return {"unsupported": str(e)}
+    return {"fits": True}
+
+
+def worker_noise(elements: int, device: torch.device, reps: int, warmup: int) -> dict:
+    """``gaussian_noise`` (one float32 draw from a torch generator, the engine's normal path) against
+    ``secure_gaussian`` (four float64 draws from freshly CSPRNG-seeded generators, summed and halved) for a tensor
+    of ``elements`` elements, alternating calls."""
+    from fastdp.noise import gaussian_noise, secure_gaussian
+
+    param = torch.empty(elements, dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    fns: dict[str, Callable[[], object]] = {
+        "gaussian_noise": lambda: gaussian_noise(param, 1.0, gen),
+        "secure_gaussian": lambda: secure_gaussian((elements,), 1.0, device, torch.float32)}
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for order in _rotations(list(fns), reps):
+        for k in order:
+            sync(device)
+            t0 = time.perf_counter()
+            fns[k]()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: {"times_s": ts} for k, ts in times.items()}
