@@ -15,7 +15,7 @@ The per-sample weight gradient of group ``j`` is ``g_i[j] = G_i[j]^T A_i[j]`` (`
 
 The cost model picks the ghost norm when ``2 T^2 < p d`` (two Gram matrices against one per-sample gradient); the
 default mode also instantiates when ``p d <= T (p + d)`` (:func:`instantiation_fits`, see
-``fastdp.bookkeeping.use_ghost``).
+``fastdp.norms.use_ghost``).
 """
 
 from __future__ import annotations
