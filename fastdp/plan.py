@@ -22,6 +22,7 @@ from torch import nn
 from fastdp.layers import generic, kind_for, registry
 from fastdp.layers import owners as ownership
 from fastdp.layers.base import LayerKind
+from fastdp.torch_api import is_batchnorm
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def build_plan(model: nn.Module, extra_owned: Mapping[str, tuple[str, ...]] | No
     in_subtree: set[int] = set()  # parameters owned by an ancestor's generic entry
     for mname, module in model.named_modules():
         label = mname or "<root>"
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+        if is_batchnorm(module) and module.training:
             owned = [name_of[id(p)] for p in module.parameters(recurse=False) if id(p) in trainable_ids]
             raise ValueError(
                 f"module {label!r} ({type(module).__name__}"

@@ -20,12 +20,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-import torch
+from fastdp import torch_api
 
 
 def in_backward() -> bool:
     """Whether the calling thread runs inside a backward pass (of the autograd engine)."""
-    return torch._C._current_graph_task_id() != -1
+    return torch_api.current_graph_task_id() != -1
 
 
 class _EndOfBackward:
@@ -59,7 +59,7 @@ def queue_end_of_backward(on_end: Callable[[], None], on_dropped: Callable[[], N
     cb = _EndOfBackward(on_end, state)
     weakref.finalize(cb, _dropped, state, on_dropped).atexit = False
     # private API (torch 2.14.1): no public hook runs at the end of a whole backward pass; see the module docstring
-    torch.autograd.Variable._execution_engine.queue_callback(cb)
+    torch_api.queue_engine_callback(cb)
 
 
 __all__ = ["in_backward", "queue_end_of_backward"]

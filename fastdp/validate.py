@@ -21,9 +21,9 @@ import logging
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from fastdp.layers.registry import refusals
+from fastdp.torch_api import BatchNormBase as _BatchNorm
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from fastdp.torch_api import tree_flatten
 
 
 class AmbiguousBatchError(ValueError):

@@ -55,7 +55,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+
+from fastdp.torch_api import TorchFunctionMode, set_parameter_slot
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class ExpandedCall:
     # ------------------------------------------------------------------ lifecycle
     def begin(self) -> None:
         for n, e in self.expanded.items():
-            self.module._parameters[n] = e
+            set_parameter_slot(self.module, n, e)
         self._active = True
         if self.batch > 1:
             self._mode.__enter__()
@@ -161,7 +162,7 @@ class ExpandedCall:
                 self._mode.__exit__(None, None, None)
         finally:
             for n, p in self.params.items():
-                self.module._parameters[n] = p
+                set_parameter_slot(self.module, n, p)
         if self.batch == 1:
             # A batch of one: E is P itself (same shape and value) and whatever the forward does with it, the
             # gradient reaching E is dL/dP = g_1, the only sample's gradient. Nothing to verify.

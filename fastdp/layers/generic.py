@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_map
 
 from fastdp.layers import registry
 from fastdp.layers.base import LayerKind, replay_autocast, to_accumulation
 from fastdp.layers.checkpointing import plain_checkpoints
 from fastdp.layers.owners import parametrizations_frozen
 from fastdp.layers.spec import DocRow, OracleCase, Refusal
+from fastdp.torch_api import tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
 

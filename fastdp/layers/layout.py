@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+
+from fastdp.torch_api import tree_flatten
 
 
 @dataclass(frozen=True)

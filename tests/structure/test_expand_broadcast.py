@@ -13,6 +13,9 @@ Sizes: toy models d=6, N=5 positions, batches of 1, 3, 4 (and 0); ViT as in test
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from model_oracle import D, check_engine, cls_loss, mse_loss, rel_err
@@ -22,6 +25,7 @@ from torch import nn
 import fastdp.layers.generic as generic_mod
 
 pytest.importorskip("timm")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the timm ViT configs of the model tests
 from test_models_timm import CONFIGS, IDS, images, vit  # noqa: E402
 
 N, DM = 5, 6

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from fastdp.layers._norm import ChannelNormKind, with_running_statistics
 from fastdp.layers.registry import register
 from fastdp.layers.spec import DocRow, OracleCase, Refusal
+from fastdp.torch_api import BatchNormBase as _BatchNorm
 
 
 def _train_mode(m: nn.Module) -> str:
