@@ -7,6 +7,11 @@ splits or reorders its batch, a forward hook that rescales a layer's output, a b
 ``[0]``, a position table read with ``arange(T)`` when ``T == B``) the per-sample gradients would be silently wrong.
 The probe checks the assumption against a brute-force computation instead of trusting it.
 
+(This module is about 750 lines, over the project's ~500: its passes -- engine pass, references, learned owner
+layouts, comparison, fallback -- share one state machine (the capture stage's ``ProbeState``) and one set of
+tolerances, and reading them together is how a reviewer checks that the probe cannot pass a wrong model. Splitting
+the comparison helpers into their own module is the next step if it grows.)
+
 **When.** From the model's root forward pre-hook, before the user's forward runs, when grad is enabled, ``B >= 1``
 and the call's :func:`signature` is new. The signature holds, per tensor leaf of ``(args, kwargs)``: its position,
 ndim, dtype, whether its leading size is ``B``, which other dimensions equal ``B``, which dimensions are 1; plus
