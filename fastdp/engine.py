@@ -18,7 +18,9 @@ A thin facade over the stages of the data flow, one module each (docs/architectu
 3. **Step.** A step pre-hook on the optimizer writes ``p.grad = (sum_i C_i g_i + sigma R xi) / batch_size`` for
    every trainable parameter, counts the step in the accountant, and lets the optimizer update.
 
-This module owns construction, ``attach``/``detach``, the trainable set, and reporting; checkpoints are in
+(The ``PrivacyEngine`` class is about 360 lines, over the project's ~300, because about 150 of them are the public
+API's docstrings; its logic is in the stage modules.) This module owns construction, ``attach``/``detach``, the
+trainable set, and reporting; checkpoints are in
 :mod:`fastdp.checkpoint`, argument checks in :mod:`fastdp.config`. All state lives in the engine's own tables
 (plan, capture, release) keyed by module and parameter; :meth:`PrivacyEngine.detach` removes every hook and
 restores ``requires_grad``.
