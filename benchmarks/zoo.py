@@ -14,8 +14,8 @@ A *method* is how one training step is taken:
 * ``Opacus hooks`` / ``Opacus ghost``: Opacus 1.6 (``benchmarks/opacus_runner.py``), per-sample gradients
   instantiated by hooks, or its two-backward ghost clipping;
 * variants of the default mode for A/B measurements (``VARIANTS``): ``fastdp BK-MixOpt, on arrival off``
-  (instantiation on arrival switched off, docs/engine.md) and ``fastdp BK-MixOpt, no probe`` (``verify_structure=
-  False``).
+  (instantiation on arrival switched off, docs/internals/clipping.md) and ``fastdp BK-MixOpt, no probe``
+  (``verify_structure=False``).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).

@@ -7,7 +7,7 @@ its file under ``fastdp/layers/kinds/`` and by the generic path -- the rules the
 keeps no copy. At the time of writing they are: BatchNorm (any, SyncBatchNorm and lazy included) in train mode, or
 in eval mode without running statistics; InstanceNorm with ``track_running_stats=True`` in train mode; Embedding /
 EmbeddingBag with ``max_norm``, or (trainable) ``scale_grad_by_freq`` or ``sparse``; MultiheadAttention,
-Transformer encoder/decoder layers and RNNs with ``batch_first=False``. docs/engine.md's supported-layer table
+Transformer encoder/decoder layers and RNNs with ``batch_first=False``. docs/internals/engine.md's supported-layer table
 lists them per layer.
 
 BatchNorm in eval mode with running statistics is fine, whether its affine parameters are frozen or trainable: it

@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from engine_helpers import D, attached_engine, tiny_model
 from torch import nn
 
 import fastdp
@@ -19,23 +20,11 @@ from fastdp.accounting.prv import prv_epsilon_for_history
 from fastdp.accounting.rdp import _rdp_cached, compute_rdp, rdp_to_epsilon
 from fastdp.sampling_check import SampleRateMonitor, _fixed_size_steps
 
-D = 3
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(D, 1).double()
+_model = tiny_model
 
 
 def _engine(model: nn.Module, **kw) -> tuple[PrivacyEngine, torch.optim.Optimizer]:
-    kw.setdefault("batch_size", 16)
-    kw.setdefault("sample_size", 1000)
-    kw.setdefault("noise_multiplier", 1.0)
-    kw.setdefault("accountant", "rdp")
-    engine = PrivacyEngine(model, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine.attach(opt)
-    return engine, opt
+    return attached_engine(model, **{"sample_size": 1000, **kw})
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, sizes: int | list[int]) -> None:

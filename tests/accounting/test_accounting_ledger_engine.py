@@ -10,28 +10,17 @@ import warnings
 
 import pytest
 import torch
+from engine_helpers import D, attached_engine, tiny_model
 from torch import nn
 
 from fastdp import PrivacyBudgetExceeded, PrivacyEngine, accounting
 from fastdp.accounting import Composed, Gaussian, NonPrivate, PoissonSampledGaussian, RDPAccountant
 
-D = 3
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(D, 1).double()
+_model = tiny_model
 
 
 def _engine(model: nn.Module, **kw) -> tuple[PrivacyEngine, torch.optim.Optimizer]:
-    kw.setdefault("batch_size", 16)
-    kw.setdefault("sample_size", 64)
-    kw.setdefault("noise_multiplier", 1.0)
-    kw.setdefault("accountant", "rdp")
-    engine = PrivacyEngine(model, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine.attach(opt)
-    return engine, opt
+    return attached_engine(model, **{"sample_size": 64, **kw})
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, n: int = 16) -> None:

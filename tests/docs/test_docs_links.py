@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: moved by the benchmark harness's branch). A link to one of them passes only while it is missing;
 #: ``test_pending_entries_are_still_pending`` fails once it exists, so the entry gets removed.
 PENDING_TARGETS: set[str] = set()
-#: Pages another branch moves or rewrites (docs/benchmarks.md becomes docs/results/benchmarks.md): not checked
+#: Pages another branch moves or rewrites (as docs/benchmarks.md became docs/results/benchmarks.md): not checked
 #: while they exist here; the test below fails once they are gone, so the entry gets removed.
 PENDING_SOURCES: set[str] = set()
 

@@ -24,7 +24,7 @@ clipping function, style and loss reduction (``MODE_CONFIG``).
 
 Out of scope / refused: CLIP's contrastive loss mixes samples. The engine refuses a model that returns the
 ``(B, B)`` similarity logits (structure probe). A contrastive loss computed by the user from per-sample
-embeddings cannot be detected (documented in docs/engine.md) and is not tested. The models' own
+embeddings cannot be detected (documented in docs/internals/engine.md) and is not tested. The models' own
 ``return_loss=True`` loss (CLIPModel, SiglipModel) is refused by fastdp.hf_guard (it broke the sensitivity bound).
 
 Tolerance: 1e-6 relative (float64). Families that run their softmax or RMS-norm in float32 even with float64
