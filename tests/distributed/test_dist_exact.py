@@ -1,0 +1,119 @@
+"""Exactness across ranks (issue 14, item 1): with sigma = 0, N gloo processes that each hold a shard of the logical
+batch release, on every rank, the brute-force batch-of-one oracle's gradient of the UNION batch (float64, 1e-6
+relative), bit-identical across ranks. N = 2 and 3; even and uneven shards (3/1/0); a rank whose shard is empty
+(a 0-row batch through forward and backward, or engine.empty_step()); virtual batches (different numbers of
+backward passes per rank); every clipping mode; styles all-layer, layer-wise, param-wise and explicit groups;
+clipping functions abadi, automatic, global; sum and mean reductions; tied weights; the generic path (raw class
+token and position embedding); DP-BiTFiT; rank 0's parameters broadcast at construction; ``process_group=`` a
+sub-group.
+
+Each world runs every case of its table in one set of processes (tests/distributed/harness.py); the oracle runs in
+the pytest process before the world starts (it chooses R between the per-sample norms, so clipping changes the
+result far beyond the tolerance: a test an unclipped or per-rank-clipped release cannot pass).
+"""
+
+from __future__ import annotations
+
+import pytest
+from checks import check_exact
+from dist_cases import Spec, oracle_for, run_exact, run_subgroup
+from harness import Case, run_world
+
+from fastdp.modes import CLIPPING_MODES
+
+N2: dict[str, Spec] = {
+    "even": Spec("mixed", ((3,), (3,)), seed=1),
+    "uneven": Spec("mixed", ((4,), (1,)), seed=2),
+    "one-sample": Spec("mixed", ((1,), (0,)), seed=3, where="below"),
+    "zero-row-shard": Spec("mixed", ((3,), (0,)), seed=4),
+    "zero-row-shard-sum": Spec("mixed", ((0,), (5,)), seed=5, reduction="sum"),
+    "empty-step-rank": Spec("mixed", ((4,), None), seed=6),
+    "virtual": Spec("mixed", ((2, 0, 1), (3,)), seed=7),
+    "layer-wise": Spec("mixed", ((3,), (2,)), seed=8, style="layer-wise"),
+    "param-wise": Spec("mixed", ((2,), (3,)), seed=9, style="param-wise", fn="automatic"),
+    "groups": Spec("mixed", ((3,), (3,)), seed=10, style="groups"),
+    "global-fn": Spec("mixed", ((2, 2), (3,)), seed=11, fn="global"),
+    "automatic-sum": Spec("mixed", ((3,), (1, 1)), seed=12, fn="automatic", reduction="sum"),
+    "expected-B": Spec("mixed", ((3,), (2,)), seed=13, batch_size=8),  # divisor: the declared B, not the count
+    "vit-generic": Spec("vit", ((2, 1), (3,)), seed=14),
+    "vit-generic-layer-wise": Spec("vit", ((5,), (1,)), seed=15, style="layer-wise", reduction="sum"),
+    "tied": Spec("tied", ((3,), (2,)), seed=16),
+    "bitfit": Spec("mixed", ((3,), (2,)), seed=17, bitfit=True),
+    "bitfit-virtual": Spec("mixed", ((1, 2), (0,)), seed=18, bitfit=True, style="layer-wise"),
+    "broadcast-rank0": Spec("mixed", ((3,), (2,)), seed=19, model_seeds=(19, 91)),
+}
+for _i, _mode in enumerate(CLIPPING_MODES):
+    N2[f"mode-{_mode}"] = Spec("mixed", ((3, 1), (2,)), seed=30 + _i, mode=_mode, style="layer-wise")
+    N2[f"mode-{_mode}-vit"] = Spec("vit", ((2,), (4,)), seed=40 + _i, mode=_mode)
+
+N3: dict[str, Spec] = {
+    "3-1-0": Spec("mixed", ((3,), (1,), (0,)), seed=50),
+    "uneven-virtual-empty-step": Spec("mixed", ((2, 2), None, (1, 0, 3)), seed=51),
+    "groups": Spec("mixed", ((2,), (3,), (2,)), seed=52, style="groups", fn="automatic"),
+    "vit-generic": Spec("vit", ((1,), (3,), (2,)), seed=53),
+    "tied": Spec("tied", ((2,), (0,), (4,)), seed=54),
+    "bitfit": Spec("mixed", ((1,), (2,), (3,)), seed=55, bitfit=True),
+    "ghost": Spec("mixed", ((3,), (1,), (2,)), seed=56, mode="ghost"),
+}
+
+#: process_group= ranks 0 and 1 of the 3-rank world
+SUBGROUP = Spec("mixed", ((3,), (2,)), seed=57)
+
+#: slow: the tiny GPT-2 (transformers import in every rank), every mode
+GPT2: dict[str, Spec] = {f"gpt2-{m}": Spec("gpt2", ((2,), (1, 1)), seed=60 + i, mode=m)
+                         for i, m in enumerate(CLIPPING_MODES)}
+
+
+def _world(n: int, table: dict[str, Spec], extra: list[Case] | None = None) -> tuple:
+    oracles = {name: oracle_for(spec) for name, spec in table.items()}
+    cases = [Case(name, run_exact, {"spec": spec, "R": oracles[name]["R"]}) for name, spec in table.items()]
+    return run_world(n, cases + (extra or [])), oracles
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return _world(2, N2)
+
+
+@pytest.fixture(scope="module")
+def world3():
+    sub = oracle_for(SUBGROUP)
+    world, oracles = _world(3, N3, [Case("subgroup", run_subgroup, {"spec": SUBGROUP, "R": sub["R"]})])
+    oracles["subgroup"] = sub
+    return world, oracles
+
+
+@pytest.mark.parametrize("name", list(N2))
+def test_exact_two_ranks(world2, name):
+    world, oracles = world2
+    check_exact(world.values(name), oracles[name], 2, f"N=2 {name}")
+
+
+@pytest.mark.parametrize("name", list(N3))
+def test_exact_three_ranks(world3, name):
+    world, oracles = world3
+    check_exact(world.values(name), oracles[name], 3, f"N=3 {name}")
+
+
+def test_process_group_subgroup(world3):
+    """``process_group=`` ranks {0, 1} of a 3-rank world: those two release the oracle of their union."""
+    world, oracles = world3
+    vals = world.values("subgroup")
+    assert vals[2] == {"skipped": True}
+    check_exact(vals[:2], oracles["subgroup"], 2, "sub-group {0, 1}")
+
+
+def test_broadcast_made_the_ranks_identical(world2):
+    """The ranks built different models (seeds 19 and 91); rank 0's parameters were broadcast, so both released
+    the oracle of rank 0's model (checked in test_exact_two_ranks) and hold the same parameters."""
+    world, _ = world2
+    a, b = world.values("broadcast-rank0")
+    assert all((a["params"][n] == b["params"][n]).all() for n in a["params"])
+
+
+@pytest.mark.slow
+def test_exact_gpt2_every_mode():
+    """Tied weights in a real model: the tiny GPT-2 of tests/model_oracle.py (wte tied to lm_head), every mode."""
+    world, oracles = _world(2, GPT2)
+    for name in GPT2:
+        check_exact(world.values(name), oracles[name], 2, f"N=2 {name}")
