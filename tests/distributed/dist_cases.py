@@ -347,8 +347,8 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
                      sigma: float = 0.0) -> dict[str, Any]:
     """A first step that rank ``culprit`` spoils (``scenario``), then a valid step on ``spec``'s shards.
 
-    Scenarios: ``"skip_backward"`` (the culprit runs no backward and calls optimizer.step()), ``"frozen"`` (it
-    freezes ``fc.weight`` without telling the engine), ``"update_trainable"`` (it freezes ``fc.weight`` and calls
+    Scenarios: ``"skip_backward"`` (the culprit runs no backward and calls optimizer.step()), ``"frozen"`` (after its
+    backward pass it freezes ``fc.weight`` without telling the engine), ``"update_trainable"`` (it freezes ``fc.weight`` and calls
     engine.update_trainable(), the others do not). The first step's data come from another seed, so a leak of its
     sums into the second step shows against the oracle of ``spec``. Returns the outcome of the first step on this
     rank, the gradients and steps right after it, and the second step's released gradients (or its outcome)."""
@@ -359,12 +359,13 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
     bad = replace(spec, seed=spec.seed + 77)
     culprit_here = ctx.rank == culprit
     res: dict[str, Any] = {}
-    if culprit_here and scenario in ("frozen", "update_trainable"):
+    if culprit_here and scenario == "update_trainable":
         model.fc.weight.requires_grad_(False)
-        if scenario == "update_trainable":
-            res["update"] = _outcome(engine.update_trainable)
+        res["update"] = _outcome(engine.update_trainable)
     if not (culprit_here and scenario == "skip_backward"):
         _run_shard(model, bad, shard_batches(bad)[ctx.rank])
+    if culprit_here and scenario == "frozen":  # after its backward pass, before the step
+        model.fc.weight.requires_grad_(False)
     res["first"] = _outcome(opt.step)
     res["after_first"] = {"grads": _grads_or_none(model), "steps": engine.steps,
                           "unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters()),

@@ -43,11 +43,16 @@ BARRIER_SLACK = 10.0
 
 @dataclass
 class Case:
-    """One test case of a world: ``fn(ctx, **kwargs)`` runs on every rank (``fn`` must be importable by name)."""
+    """One test case of a world: ``fn(ctx, **kwargs)`` runs on every rank (``fn`` must be importable by name).
+
+    ``pg_timeout``: run it in a new process group with this collective timeout (a case that waits for a timeout);
+    ``fresh_group``: run it in a new process group (a case that leaves its group broken)."""
 
     name: str
     fn: Callable[..., Any]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    pg_timeout: float | None = None
+    fresh_group: bool = False
 
 
 @dataclass
@@ -124,6 +129,20 @@ def _barrier(store: Any, key: str, world_size: int, deadline: float) -> bool:
     return False
 
 
+def _reinit(tmpdir: str, generation: int, rank: int, world_size: int, pg_timeout: float, out: Path) -> bool:
+    """A new default process group (the old one may be broken by a timed-out collective)."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken group may not shut down cleanly
+        pass
+    try:
+        _init_group(tmpdir, generation, rank, world_size, pg_timeout)
+    except Exception as e:  # noqa: BLE001
+        (out / f"fatal{rank}.txt").write_text(f"re-initialising the process group failed: {e!r}")
+        return False
+    return True
+
+
 def _detach_engines() -> None:
     try:
         from fastdp import engine_registry
@@ -142,13 +161,20 @@ def _child(rank: int, world_size: int, tmpdir: str, cases: Sequence[Case], pg_ti
     out = Path(tmpdir)
     store = dist.FileStore(str(out / "barrier_store"), world_size)
     generation = 0
+    current_timeout = pg_timeout if not cases or cases[0].pg_timeout is None else cases[0].pg_timeout
     try:
-        _init_group(tmpdir, generation, rank, world_size, pg_timeout)
+        _init_group(tmpdir, generation, rank, world_size, current_timeout)
     except Exception as e:  # noqa: BLE001
         (out / f"fatal{rank}.txt").write_text(f"init_process_group failed: {e!r}\n{traceback.format_exc()}")
         return
     for i, case in enumerate(cases):
-        ctx = RankContext(rank, world_size, tmpdir, pg_timeout, case.name)
+        want_timeout = pg_timeout if case.pg_timeout is None else case.pg_timeout
+        if i > 0 and (case.fresh_group or want_timeout != current_timeout):
+            generation += 1
+            if not _reinit(tmpdir, generation, rank, world_size, want_timeout, out):
+                return
+            current_timeout = want_timeout
+        ctx = RankContext(rank, world_size, tmpdir, current_timeout, case.name)
         t0 = time.monotonic()
         try:
             rec = Record(True, case.fn(ctx, **case.kwargs))
@@ -164,20 +190,15 @@ def _child(rank: int, world_size: int, tmpdir: str, cases: Sequence[Case], pg_ti
         (out / f"r{rank}_c{i}.pkl").write_bytes(data)
         if not rec.ok:
             store.add(f"failed{i}", 1)
-        if not _barrier(store, f"done{i}", world_size, time.monotonic() + pg_timeout + BARRIER_SLACK):
+        if not _barrier(store, f"done{i}", world_size, time.monotonic() + current_timeout + BARRIER_SLACK):
             (out / f"fatal{rank}.txt").write_text(f"barrier after case {case.name!r} timed out: another rank "
                                                   "did not finish it")
             return
-        if i + 1 < len(cases) and (fresh_group or int(store.add(f"failed{i}", 0)) > 0):
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group may not shut down cleanly
-                pass
+        nxt = cases[i + 1] if i + 1 < len(cases) else None
+        if nxt is not None and not nxt.fresh_group and (nxt.pg_timeout or pg_timeout) == current_timeout and (
+                fresh_group or int(store.add(f"failed{i}", 0)) > 0):
             generation += 1
-            try:
-                _init_group(tmpdir, generation, rank, world_size, pg_timeout)
-            except Exception as e:  # noqa: BLE001
-                (out / f"fatal{rank}.txt").write_text(f"re-initialising the process group failed: {e!r}")
+            if not _reinit(tmpdir, generation, rank, world_size, current_timeout, out):
                 return
     try:
         dist.destroy_process_group()
@@ -219,7 +240,7 @@ def run_world(world_size: int, cases: Sequence[Case], *, timeout: float = 240.0,
                 os.environ["OMP_NUM_THREADS"] = old
         deadline = t0 + timeout
         problems: list[str] = []
-        for r, p in enumerate(procs):
+        for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for r, p in enumerate(procs):
             if p.is_alive():
@@ -241,4 +262,49 @@ def run_world(world_size: int, cases: Sequence[Case], *, timeout: float = 240.0,
     return WorldResult(world_size, names, records, problems, time.monotonic() - t0)
 
 
-__all__ = ["Case", "RankContext", "RankError", "WorldResult", "run_world"]
+# ---------------------------------------------------------------------------------------------- shared worlds
+# Test modules register their cases at import (collection) time; the first test that needs a world of N ranks
+# runs every case registered for N in ONE set of processes (process start-up and imports cost seconds per rank).
+
+_REGISTRY: dict[int, dict[str, Callable[[], tuple[Case, Any]]]] = {}
+_WORLDS: dict[int, SharedWorld] = {}
+
+
+def register(world_size: int, name: str, builder: Callable[[], tuple[Case, Any]]) -> None:
+    """Register a case for the shared world of ``world_size`` ranks. ``builder()`` runs in the pytest process just
+    before the world starts and returns the :class:`Case` and any parent-side data (e.g. the oracle)."""
+    table = _REGISTRY.setdefault(world_size, {})
+    if name in table:
+        raise ValueError(f"case {name!r} registered twice for world size {world_size}")
+    if world_size in _WORLDS:
+        raise RuntimeError(f"case {name!r} registered after the {world_size}-rank world ran")
+    table[name] = builder
+
+
+class SharedWorld:
+    """Every registered case of one world size, run once; ``values(name)`` and ``extra(name)`` per case."""
+
+    def __init__(self, world_size: int, **kw: Any) -> None:
+        built = {name: b() for name, b in _REGISTRY.get(world_size, {}).items()}
+        self._extra = {name: extra for name, (_, extra) in built.items()}
+        cases = [case for case, _ in built.values()]
+        # cases with their own process group (timeouts) last, so a broken group cannot touch the others
+        cases.sort(key=lambda c: c.pg_timeout is not None or c.fresh_group)
+        self.result = run_world(world_size, cases, **kw)
+
+    def values(self, name: str) -> list[Any]:
+        return self.result.values(name)
+
+    def extra(self, name: str) -> Any:
+        return self._extra[name]
+
+
+def shared_world(world_size: int) -> SharedWorld:
+    """The shared world of ``world_size`` ranks (run at the first call)."""
+    if world_size not in _WORLDS:
+        _WORLDS[world_size] = SharedWorld(world_size)
+    return _WORLDS[world_size]
+
+
+__all__ = ["Case", "RankContext", "RankError", "SharedWorld", "WorldResult", "register", "run_world",
+           "shared_world"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 from checks import check_exact
 from dist_cases import Spec, oracle_for, run_exact, run_subgroup
-from harness import Case, run_world
+from harness import Case, register, run_world, shared_world
 
 from fastdp.modes import CLIPPING_MODES
 
@@ -64,56 +64,55 @@ GPT2: dict[str, Spec] = {f"gpt2-{m}": Spec("gpt2", ((2,), (1, 1)), seed=60 + i, 
                          for i, m in enumerate(CLIPPING_MODES)}
 
 
-def _world(n: int, table: dict[str, Spec], extra: list[Case] | None = None) -> tuple:
-    oracles = {name: oracle_for(spec) for name, spec in table.items()}
-    cases = [Case(name, run_exact, {"spec": spec, "R": oracles[name]["R"]}) for name, spec in table.items()]
-    return run_world(n, cases + (extra or [])), oracles
+def _exact(spec: Spec, name: str, fn=run_exact):
+    def builder():
+        oracle = oracle_for(spec)
+        return Case(name, fn, {"spec": spec, "R": oracle["R"]}), oracle
+    return builder
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return _world(2, N2)
+for _name, _spec in N2.items():
+    register(2, f"exact-{_name}", _exact(_spec, f"exact-{_name}"))
+for _name, _spec in N3.items():
+    register(3, f"exact-{_name}", _exact(_spec, f"exact-{_name}"))
+register(3, "exact-subgroup", _exact(SUBGROUP, "exact-subgroup", run_subgroup))
 
 
-@pytest.fixture(scope="module")
-def world3():
-    sub = oracle_for(SUBGROUP)
-    world, oracles = _world(3, N3, [Case("subgroup", run_subgroup, {"spec": SUBGROUP, "R": sub["R"]})])
-    oracles["subgroup"] = sub
-    return world, oracles
+def _check(n: int, name: str) -> None:
+    world = shared_world(n)
+    check_exact(world.values(name), world.extra(name), n, f"N={n} {name}")
 
 
 @pytest.mark.parametrize("name", list(N2))
-def test_exact_two_ranks(world2, name):
-    world, oracles = world2
-    check_exact(world.values(name), oracles[name], 2, f"N=2 {name}")
+def test_exact_two_ranks(name):
+    _check(2, f"exact-{name}")
 
 
 @pytest.mark.parametrize("name", list(N3))
-def test_exact_three_ranks(world3, name):
-    world, oracles = world3
-    check_exact(world.values(name), oracles[name], 3, f"N=3 {name}")
+def test_exact_three_ranks(name):
+    _check(3, f"exact-{name}")
 
 
-def test_process_group_subgroup(world3):
+def test_process_group_subgroup():
     """``process_group=`` ranks {0, 1} of a 3-rank world: those two release the oracle of their union."""
-    world, oracles = world3
-    vals = world.values("subgroup")
+    world = shared_world(3)
+    vals = world.values("exact-subgroup")
     assert vals[2] == {"skipped": True}
-    check_exact(vals[:2], oracles["subgroup"], 2, "sub-group {0, 1}")
+    check_exact(vals[:2], world.extra("exact-subgroup"), 2, "sub-group {0, 1}")
 
 
-def test_broadcast_made_the_ranks_identical(world2):
+def test_broadcast_made_the_ranks_identical():
     """The ranks built different models (seeds 19 and 91); rank 0's parameters were broadcast, so both released
     the oracle of rank 0's model (checked in test_exact_two_ranks) and hold the same parameters."""
-    world, _ = world2
-    a, b = world.values("broadcast-rank0")
+    a, b = shared_world(2).values("exact-broadcast-rank0")
     assert all((a["params"][n] == b["params"][n]).all() for n in a["params"])
 
 
 @pytest.mark.slow
 def test_exact_gpt2_every_mode():
     """Tied weights in a real model: the tiny GPT-2 of tests/model_oracle.py (wte tied to lm_head), every mode."""
-    world, oracles = _world(2, GPT2)
+    oracles = {name: oracle_for(spec) for name, spec in GPT2.items()}
+    world = run_world(2, [Case(name, run_exact, {"spec": spec, "R": oracles[name]["R"]})
+                          for name, spec in GPT2.items()])
     for name in GPT2:
         check_exact(world.values(name), oracles[name], 2, f"N=2 {name}")

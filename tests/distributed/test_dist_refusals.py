@@ -1,0 +1,167 @@
+"""Bad input across ranks (issue 14, item 7): a clear error on EVERY rank, never a hang beyond the process group's
+short timeout, never a silent wrong release.
+
+* A rank that skips backward (and does not call empty_step), a rank that froze a parameter without telling the
+  engine, and a rank that changed its trainable set with update_trainable() alone: the step is refused on every
+  rank, naming the rank and why; nothing is released (p.grad stays None, parameters unchanged, steps and the ledger
+  0) on any rank, and the next valid step releases exactly the oracle of ITS batch (the refused step's sums were
+  discarded everywhere, not folded in).
+* Ranks that disagree at construction: a frozen parameter on one rank, a different max_grad_norm; a model wrapped
+  in DistributedDataParallel (refused, naming the supported pattern); ``distributed=True`` with no process group.
+* ``distributed=False`` inside a world: independent one-process engines (each releases the oracle of its own shard).
+* A rank that never calls optimizer.step(): the others' error says the collective timed out (process group timeout
+  3 s), with nothing released.
+* Rank 0 alone records another release (a DP evaluation on rank 0 only): the ranks' accountants must not diverge
+  silently (every rank refuses, or every rank reports the same epsilon), and an ``enforce_budget`` refusal that only
+  rank 0's ledger triggers must be agreed, not leave rank 1 waiting for a collective.
+* state_dict() carries world_size and rank; a one-process checkpoint does not load into a 2-rank engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checks import assert_bit_identical, refused_everywhere
+from dist_cases import (
+    LOSSES,
+    Spec,
+    build,
+    oracle_for,
+    run_construct,
+    run_distributed_flags,
+    run_local_release,
+    run_never_step,
+    run_refused_step,
+    run_state,
+    shard_batches,
+)
+from harness import Case, register, shared_world
+from oracle import assert_grads_close, clipped_sum, make_engine, oracle_model, per_sample_grads, trainable_names
+
+SHORT_TIMEOUT = 3.0
+REFUSE = Spec("mixed", ((3,), (2,)), seed=80)
+SCENARIOS = {"skip_backward": ("backward",), "frozen": ("fc.weight",), "update_trainable": ("trainable", "fc.weight")}
+FLAGS = Spec("mixed", ((3,), (2,)), seed=81)
+FLAGS_R = 0.05
+NEVER = Spec("mixed", ((2,), (2,)), seed=82)
+LOCAL = Spec("mixed", ((2,), (1,)), seed=83, batch_size=4)
+
+
+def _refused_builder(scenario: str):
+    def builder():
+        oracle = oracle_for(REFUSE)
+        return Case(f"refuse-{scenario}", run_refused_step,
+                    {"spec": REFUSE, "R": oracle["R"], "scenario": scenario}), oracle
+    return builder
+
+
+for _s in SCENARIOS:
+    register(2, f"refuse-{_s}", _refused_builder(_s))
+for _s in ("frozen", "max_grad_norm", "ddp"):
+    register(2, f"construct-{_s}", lambda _s=_s: (Case(f"construct-{_s}", run_construct,
+                                                       {"kind": "mixed", "scenario": _s}), None))
+register(2, "flags", lambda: (Case("flags", run_distributed_flags, {"spec": FLAGS, "R": FLAGS_R}), None))
+register(2, "state", lambda: (Case("state", run_state, {"spec": FLAGS, "R": 1.0}), None))
+register(2, "never-step", lambda: (Case("never-step", run_never_step,
+                                        {"spec": NEVER, "R": 1.0, "sleep": SHORT_TIMEOUT + 3},
+                                        pg_timeout=SHORT_TIMEOUT, fresh_group=True), None))
+for _enforce in (True, False):
+    _name = f"local-release-{'budget' if _enforce else 'epsilon'}"
+    register(2, _name, lambda _name=_name, _enforce=_enforce: (
+        Case(_name, run_local_release, {"spec": LOCAL, "R": 1.0, "enforce": _enforce}, pg_timeout=SHORT_TIMEOUT,
+             fresh_group=True), None))
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_refused_step_on_every_rank(scenario):
+    world = shared_world(2)
+    name = f"refuse-{scenario}"
+    vals = world.values(name)
+    refused_everywhere([v["first"] for v in vals], name, "rank 1", *SCENARIOS[scenario])
+    for r, v in enumerate(vals):
+        a = v["after_first"]
+        released = [n for n, g in a["grads"].items() if g is not None]
+        assert not released, f"{name}: rank {r} released {released} in the refused step"
+        assert a["unchanged"], f"{name}: rank {r}'s parameters changed in the refused step"
+        assert a["steps"] == 0 and a["ledger"] == 0, f"{name}: rank {r} counted the refused step ({a})"
+        assert not v["second"]["raised"], f"{name}: rank {r}'s next, valid step raised: {v['second']['msg']}"
+        assert v["steps"] == 1
+    oracle = world.extra(name)
+    for r, v in enumerate(vals):
+        assert_grads_close(v["grads2"], oracle["want"], rtol=1e-6, atol=oracle["atol"],
+                           msg=f"{name}: the step after the refused one, rank {r}")
+    assert_bit_identical([v["grads2"] for v in vals], f"{name}: the step after the refused one")
+
+
+@pytest.mark.parametrize("scenario,needles", [
+    ("frozen", ("fc.weight", "rank 1")),
+    ("max_grad_norm", ("max_grad_norm", "rank 0 1.0", "rank 1 2.0")),
+    ("ddp", ("DistributedDataParallel", "PrivacyEngine(model")),
+])
+def test_construction_refused_on_every_rank(scenario, needles):
+    refused_everywhere(shared_world(2).values(f"construct-{scenario}"), scenario, *needles)
+
+
+def test_distributed_true_without_process_group():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        make_engine(build("mixed", 0), batch_size=4, distributed=True)
+    engine = make_engine(build("mixed", 0), batch_size=4)  # the default: one process
+    assert (engine.world_size, engine.rank) == (1, 0)
+
+
+def test_distributed_false_gives_independent_engines():
+    vals = shared_world(2).values("flags")
+    for r, v in enumerate(vals):
+        assert (v["local"]["world_size"], v["local"]["rank"]) == (1, 0), f"rank {r}: distributed=False"
+        assert (v["default"]["world_size"], v["default"]["rank"]) == (2, r), f"rank {r}: default"
+        assert (v["explicit"]["world_size"], v["explicit"]["rank"]) == (2, r), f"rank {r}: distributed=True"
+        model = build(FLAGS.model, FLAGS.seed + r)
+        names = trainable_names(model)
+        assert all(torch.equal(v["local"]["before"][n], p) for n, p in model.named_parameters()), (
+            f"rank {r}: distributed=False must not broadcast rank 0's parameters")
+        psg = per_sample_grads(oracle_model(model), LOSSES[FLAGS.model], shard_batches(FLAGS)[r], names)
+        want = clipped_sum(psg, [names], FLAGS.fn, FLAGS_R, FLAGS.global_batch_size)
+        assert_grads_close(v["local"]["grads"], want, rtol=1e-6, atol=1e-10, msg=f"rank {r} distributed=False")
+
+
+def test_state_dict_world_size_and_rank():
+    vals = shared_world(2).values("state")
+    for r, v in enumerate(vals):
+        assert (v["world_size"], v["rank"]) == (2, r)
+        assert v["load_solo"]["raised"], f"rank {r}: a one-process checkpoint loaded into a 2-rank engine"
+        msg = v["load_solo"]["msg"]
+        assert "1" in msg and "2" in msg and "world" in msg.lower() or "process" in msg.lower(), msg
+
+
+def test_rank_that_never_steps_times_out():
+    vals = shared_world(2).values("never-step")
+    assert vals[1] == {"slept": True}
+    v = vals[0]
+    assert v["raised"], "rank 0's optimizer.step() returned although rank 1 never stepped"
+    assert "RuntimeError" in v["mro"], v["type"]
+    assert "timed out" in v["msg"].lower() or "timeout" in v["msg"].lower(), v["msg"]
+    assert v["seconds"] < SHORT_TIMEOUT + 10, f"the refusal took {v['seconds']:.1f} s"
+    assert all(g is None for g in v["grads"].values()) and v["steps"] == 0
+
+
+@pytest.mark.parametrize("kind", ["budget", "epsilon"])
+def test_release_recorded_on_one_rank_only(kind):
+    """Rank 0 alone calls engine.record_release (a DP evaluation on rank 0, as people write it)."""
+    vals = shared_world(2).values(f"local-release-{kind}")
+    assert not vals[0]["record"]["raised"], vals[0]["record"]["msg"]
+    if kind == "budget":  # the premise: rank 0's ledger now refuses the step, rank 1's alone would not
+        assert vals[0]["eps_after_step_here"] > 1.0
+    raised = [v["step"]["raised"] for v in vals]
+    detail = "; ".join(f"rank {r}: " + (f"{v['step']['type']}: {v['step']['msg'][:300]}" if v["step"]["raised"]
+                                        else f"released, epsilon {v['epsilon']}") for r, v in enumerate(vals))
+    if any(raised):
+        assert all(raised), f"the step was refused on some ranks only: {detail}"
+        for r, v in enumerate(vals):
+            assert v["steps"] == 0, f"rank {r} counted a step that was refused elsewhere: {detail}"
+            assert "epsilon" in v["step"]["msg"] or "record_release" in v["step"]["msg"], (
+                f"rank {r}'s error does not say why (the budget / the ranks' ledgers differ): {detail}")
+            assert v["seconds"] < SHORT_TIMEOUT, f"rank {r} waited for a timeout instead of an agreed refusal"
+    else:
+        eps = [v["epsilon"] for v in vals]
+        assert all(e == eps[0] for e in eps), f"get_privacy_spent() differs between ranks: {detail}"
