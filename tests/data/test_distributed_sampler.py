@@ -237,6 +237,28 @@ def test_world_size_larger_than_sample_size_is_allowed():
 
 
 # ------------------------------------------------------------------------------------ 2 processes, gloo
+def _train(distributed: bool) -> dict:
+    """4 noisy steps of a float64 linear model on the loader's batches (this rank's part when distributed; empty
+    parts included), with the engine: the final parameters, the engine's step count and epsilon."""
+    from fastdp import PrivacyEngine
+
+    torch.manual_seed(3)
+    n = 50
+    x, y = torch.randn(n, 3, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = PrivacyEngine(model, batch_size=10, sample_size=n, steps=4, noise_multiplier=1.0,
+                           loss_reduction="sum", noise_generator=_gen(99), distributed=distributed)
+    engine.attach(optimizer)
+    loader = poisson_loader(TensorDataset(x, y), batch_size=10, steps=4, generator=_gen(1), distributed=distributed)
+    for xb, yb in loader:
+        ((model(xb).squeeze(1) - yb) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    return {"params": params, "steps": engine.steps, "privacy": engine.get_privacy_spent()}
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -252,7 +274,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             mismatch = str(e)
         result = {"rank": sampler.rank, "world_size": sampler.world_size, "batches": list(sampler),
                   "loader": [type(loader.batch_sampler).__name__, loader.batch_sampler.rank],
-                  "mismatch": mismatch}
+                  "mismatch": mismatch, "train": _train(distributed=True)}
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -273,3 +295,10 @@ def test_defaults_come_from_torch_distributed(tmp_path):
     assert [sorted(a + b) for a, b in zip(results[0]["batches"], results[1]["batches"], strict=True)] == expected
     for res in results:
         assert "rank 1: sample_rate=0.1 but rank 0: sample_rate=0.2" in res["mismatch"]
+    # the engine on the distributed loader: identical parameters and privacy on both ranks, equal (float64
+    # rounding) to one process on the same (shared-seed) batches with the same noise
+    train = [res["train"] for res in results]
+    assert train[0] == train[1]
+    single = _train(distributed=False)
+    np.testing.assert_allclose(train[0]["params"], single["params"], rtol=1e-10, atol=1e-12)
+    assert train[0]["steps"] == single["steps"] == 4 and train[0]["privacy"] == single["privacy"]
