@@ -104,7 +104,8 @@ class DistributedPoissonSampler(Sampler[list[int]]):
         verify: when rank and world size come from torch.distributed, check at construction (one
             ``all_gather_object`` over the group, so every rank must construct the sampler) that all ranks agree on
             ``sample_size``, ``q``, ``steps`` and ``secure_mode``; a difference raises ``ValueError`` on every rank,
-            naming it. ``False`` skips the check.
+            naming it. ``False`` skips the check. (Under NCCL, object collectives run on
+            ``torch.cuda.current_device()``: call ``torch.cuda.set_device(local_rank)`` first, as torch requires.)
 
     Resuming: the sampler keeps no state of its own. To resume mid-run with the same batches, pass a ``generator``
     and checkpoint ``generator.get_state()`` (restore it with ``generator.set_state``); with the default generator a
