@@ -214,6 +214,13 @@ class PrivacyEngine:
         return 0 if self._group is None else self._group.rank
 
     @property
+    def communication(self) -> dict[str, int]:
+        """``{"all_reduce_bytes": B, "steps": n}``: the bytes this rank put into the all-reduces of clipped sums
+        over ``n`` released steps (the flat buffers' size; 0 on one process). The per-step figure equals the
+        trainable parameters' size in the clipped sums' accumulation dtype: what non-private DDP all-reduces."""
+        return {"all_reduce_bytes": self._release.bytes_reduced, "steps": self._release.steps}
+
+    @property
     def noise_multiplier(self) -> float:
         """sigma of the next step (:meth:`set_noise_multiplier` changes it)."""
         return self._release.sigma
