@@ -100,20 +100,25 @@ class StepHeader:
     steps: int  # steps this rank's engine has released
     sigma: float  # this rank's noise multiplier for the step
     trainable: int  # fingerprint of the trainable set (names, shapes, dtypes)
+    ledger: int  # fingerprint of the accountant's ledger (every step and release recorded so far)
 
     def as_list(self) -> list[float]:
         return [float(self.refused), float(self.samples), float(self.backward_seen), float(self.steps),
-                self.sigma, float(self.trainable)]
+                self.sigma, float(self.trainable), float(self.ledger)]
 
     @classmethod
     def from_list(cls, v: Sequence[float]) -> StepHeader:
-        return cls(bool(v[0]), int(v[1]), bool(v[2]), int(v[3]), float(v[4]), int(v[5]))
+        return cls(bool(v[0]), int(v[1]), bool(v[2]), int(v[3]), float(v[4]), int(v[5]), int(v[6]))
+
+
+def text_fingerprint(text: str) -> int:
+    """crc32 of ``text`` (32 bits: exact in a float64)."""
+    return zlib.crc32(text.encode())
 
 
 def fingerprint(named: dict[str, torch.Tensor]) -> int:
     """A 32-bit fingerprint of parameter names, shapes and dtypes (crc32; exact in a float64)."""
-    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in sorted(named.items()))
-    return zlib.crc32(text.encode())
+    return text_fingerprint(";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in sorted(named.items())))
 
 
 class Group:

@@ -203,9 +203,14 @@ class Release:
         except Exception as e:  # told to every rank before it is raised here
             problem = e
         mine = distributed.StepHeader(problem is not None, self.step_samples, self.backward_seen or self.empty_step,
-                                      self.steps, self.sigma, self._trainable_fingerprint())
+                                      self.steps, self.sigma, self._trainable_fingerprint(),
+                                      distributed.text_fingerprint(repr(self.accountant.ledger.to_list())))
         dev = next(iter(self.engine.plan.trainable.values())).device
-        heads = group.exchange_headers(mine, dev)
+        try:
+            heads = group.exchange_headers(mine, dev)
+        except distributed.CollectiveError:
+            self.discard()
+            raise
         refusing = [r for r, h in enumerate(heads) if h.refused]
         if refusing:
             msgs = group.gather_objects(None if problem is None else f"{type(problem).__name__}: {problem}",
@@ -219,7 +224,9 @@ class Release:
                                f"{why}")
         field_names = {"steps": "released steps (resume every rank from the same checkpoint)",
                        "sigma": "noise multiplier (call set_noise_multiplier on every rank)",
-                       "trainable": "trainable set (call update_trainable on every rank after the same change)"}
+                       "trainable": "trainable set (call update_trainable on every rank after the same change)",
+                       "ledger": "accountant's ledger (call record_release on every rank; resume every rank from "
+                                 "the same checkpoint)"}
         for attr, what in field_names.items():
             vals = [getattr(h, attr) for h in heads]
             if any(v != vals[0] for v in vals):
@@ -258,7 +265,11 @@ class Release:
                     flat[off:off + p.numel()].add_(s.reshape(-1).to(flat.dtype))
 
         params = list(eng.plan.trainable.values())
-        reduced, sent = group.all_reduce_sum(params, noise_dtype, fill)
+        try:
+            reduced, sent = group.all_reduce_sum(params, noise_dtype, fill)
+        except distributed.CollectiveError:
+            self.discard()
+            raise
         sums.clear()
         for p in params:
             p.grad = reduced.pop(p).div(eng.batch_size).to(p.dtype)
