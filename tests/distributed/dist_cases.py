@@ -105,13 +105,26 @@ class Big(nn.Module):
         return self.fc(x)
 
 
+class Many(nn.Module):
+    """60 Linear(2, 2) layers named layer000 ... layer059 in a chain: 120 trainable tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({f"layer{i:03d}": nn.Linear(2, 2) for i in range(60)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = torch.tanh(layer(x))
+        return x
+
+
 def _gpt2() -> nn.Module:
     from model_oracle import LMWrap, gpt2
 
     return LMWrap(gpt2())
 
 
-BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2}
+BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many}
 
 
 def build(kind: str, seed: int) -> nn.Module:
@@ -162,6 +175,7 @@ class Spec:
     and backward), or ``None``: rank r calls ``engine.empty_step()`` instead of ``optimizer.step()``.
     ``model_seeds``: a different model seed per rank (rank 0's parameters must be broadcast; the oracle uses them).
     ``style="groups"``: an explicit partition of the trainable names (even / odd positions).
+    ``frozen``: parameter names frozen (``requires_grad=False``) before the engine is built.
     """
 
     model: str
@@ -175,6 +189,7 @@ class Spec:
     batch_size: int | None = None
     model_seeds: tuple[int, ...] | None = None
     where: str = "middle"
+    frozen: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -202,7 +217,10 @@ def shard_batches(spec: Spec) -> list[list[tuple]]:
 
 
 def prepare(model: nn.Module, spec: Spec) -> None:
-    """Freeze what the spec freezes (DP-BiTFiT: biases and the head train)."""
+    """Freeze what the spec freezes (``frozen``; DP-BiTFiT: biases and the head train)."""
+    params = dict(model.named_parameters())
+    for n in spec.frozen:
+        params[n].requires_grad_(False)
     if spec.bitfit:
         from fastdp.bitfit import freeze_all_but_bias
 
@@ -347,9 +365,10 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
                      sigma: float = 0.0) -> dict[str, Any]:
     """A first step that rank ``culprit`` spoils (``scenario``), then a valid step on ``spec``'s shards.
 
-    Scenarios: ``"skip_backward"`` (the culprit runs no backward and calls optimizer.step()), ``"frozen"`` (after its
-    backward pass it freezes ``fc.weight`` without telling the engine), ``"update_trainable"`` (it freezes ``fc.weight`` and calls
-    engine.update_trainable(), the others do not). The first step's data come from another seed, so a leak of its
+    Scenarios: ``"skip_backward"`` (the culprit runs no backward and calls optimizer.step()), ``"frozen"`` (after
+    its backward pass it freezes ``fc.weight`` without telling the engine), ``"update_trainable"`` (it freezes
+    ``fc.weight`` and calls engine.update_trainable(), the others do not), ``"sigma"`` (it calls
+    engine.set_noise_multiplier(0.5) alone). The first step's data come from another seed, so a leak of its
     sums into the second step shows against the oracle of ``spec``. Returns the outcome of the first step on this
     rank, the gradients and steps right after it, and the second step's released gradients (or its outcome)."""
     model = build(spec.model, spec.seed)
@@ -362,6 +381,8 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
     if culprit_here and scenario == "update_trainable":
         model.fc.weight.requires_grad_(False)
         res["update"] = _outcome(engine.update_trainable)
+    if culprit_here and scenario == "sigma":
+        engine.set_noise_multiplier(0.5)
     if not (culprit_here and scenario == "skip_backward"):
         _run_shard(model, bad, shard_batches(bad)[ctx.rank])
     if culprit_here and scenario == "frozen":  # after its backward pass, before the step
@@ -375,6 +396,8 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
         model.fc.weight.requires_grad_(True)
         if scenario == "update_trainable":
             engine.update_trainable()
+    if culprit_here and scenario == "sigma":
+        engine.set_noise_multiplier(sigma)
     opt.zero_grad(set_to_none=True)
     before2 = _params(model)
     second = _outcome(lambda: (_run_shard(model, spec, shard_batches(spec)[ctx.rank]), opt.step()))
@@ -392,7 +415,8 @@ def run_construct(ctx: Any, kind: str, scenario: str) -> dict[str, Any]:
     model = build(kind, 0)
     R = 1.0
     if scenario == "frozen" and ctx.rank == 1:
-        model.fc.weight.requires_grad_(False)
+        dict(model.named_parameters())["layers.layer030.weight" if kind == "many" else "fc.weight"].requires_grad_(
+            False)
     if scenario == "max_grad_norm" and ctx.rank == 1:
         R = 2.0
     if scenario == "ddp":
@@ -421,14 +445,28 @@ def run_distributed_flags(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
     return res
 
 
-def run_subgroup(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
-    """``process_group=`` a group of ranks 0 and 1 of a larger world: only they train; their union is the batch."""
+def run_subgroup(ctx: Any, spec: Spec, R: float, ranks: tuple[int, ...] = (0, 1)) -> dict[str, Any]:
+    """``process_group=`` a group of some ranks of a larger world: only they train; their union is the batch, and
+    ``spec.shards[i]`` is the shard of the group's i-th rank (group rank i)."""
     import torch.distributed as dist
 
-    sub = dist.new_group([0, 1])  # every rank of the world must call new_group
-    if ctx.rank > 1:
+    sub = dist.new_group(list(ranks))  # every rank of the world must call new_group
+    if ctx.rank not in ranks:
         return {"skipped": True}
-    return run_exact(ctx, spec, R, process_group=sub)
+    return run_exact(replace(ctx, rank=ranks.index(ctx.rank)), spec, R, process_group=sub)
+
+
+def run_update_both(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
+    """Every rank builds the engine on the whole model, then freezes ``spec.frozen`` and calls update_trainable()
+    (the same change everywhere): the step releases the oracle of the new trainable set."""
+    model = build(spec.model, spec.seed)
+    engine, opt, _ = _engine_and_opt(model, replace(spec, frozen=()), R)
+    prepare(model, spec)
+    engine.update_trainable()
+    names = trainable_names(model)
+    _step(engine, opt, model, spec, ctx.rank, shard_batches(spec)[ctx.rank])
+    return {"grads": released_grads(model, names), "params": _params(model), "world_size": engine.world_size,
+            "rank": engine.rank, "steps": engine.steps}
 
 
 def run_state(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:

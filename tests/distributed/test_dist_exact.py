@@ -5,7 +5,7 @@ relative), bit-identical across ranks. N = 2 and 3; even and uneven shards (3/1/
 backward passes per rank); every clipping mode; styles all-layer, layer-wise, param-wise and explicit groups;
 clipping functions abadi, automatic, global; sum and mean reductions; tied weights; the generic path (raw class
 token and position embedding); DP-BiTFiT; rank 0's parameters broadcast at construction; ``process_group=`` a
-sub-group.
+sub-group (one without global rank 0 too); the same update_trainable() on every rank.
 
 Each world runs every case of its table in one set of processes (tests/distributed/harness.py); the oracle runs in
 the pytest process before the world starts (it chooses R between the per-sample norms, so clipping changes the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 from checks import check_exact
-from dist_cases import Spec, oracle_for, run_exact, run_subgroup
+from dist_cases import Spec, oracle_for, run_exact, run_subgroup, run_update_both
 from harness import Case, register, run_world, shared_world
 
 from fastdp.modes import CLIPPING_MODES
@@ -41,6 +41,8 @@ N2: dict[str, Spec] = {
     "bitfit": Spec("mixed", ((3,), (2,)), seed=17, bitfit=True),
     "bitfit-virtual": Spec("mixed", ((1, 2), (0,)), seed=18, bitfit=True, style="layer-wise"),
     "broadcast-rank0": Spec("mixed", ((3,), (2,)), seed=19, model_seeds=(19, 91)),
+    "all-empty-step": Spec("mixed", (None, None), seed=20),
+    "all-zero-rows": Spec("mixed", ((0,), (0, 0)), seed=21),
 }
 for _i, _mode in enumerate(CLIPPING_MODES):
     N2[f"mode-{_mode}"] = Spec("mixed", ((3, 1), (2,)), seed=30 + _i, mode=_mode, style="layer-wise")
@@ -56,18 +58,21 @@ N3: dict[str, Spec] = {
     "ghost": Spec("mixed", ((3,), (1,), (2,)), seed=56, mode="ghost"),
 }
 
-#: process_group= ranks 0 and 1 of the 3-rank world
+#: process_group= ranks {0, 1} and {1, 2} of the 3-rank world (shards by group rank)
 SUBGROUP = Spec("mixed", ((3,), (2,)), seed=57)
+SUBGROUP12 = Spec("mixed", ((1,), (4,)), seed=58)
+#: every rank freezes fc.weight after building the engine and calls update_trainable()
+UPDATE_BOTH = Spec("mixed", ((2,), (3,)), seed=59, frozen=("fc.weight",))
 
 #: slow: the tiny GPT-2 (transformers import in every rank), every mode
 GPT2: dict[str, Spec] = {f"gpt2-{m}": Spec("gpt2", ((2,), (1, 1)), seed=60 + i, mode=m)
                          for i, m in enumerate(CLIPPING_MODES)}
 
 
-def _exact(spec: Spec, name: str, fn=run_exact):
+def _exact(spec: Spec, name: str, fn=run_exact, **extra):
     def builder():
         oracle = oracle_for(spec)
-        return Case(name, fn, {"spec": spec, "R": oracle["R"]}), oracle
+        return Case(name, fn, {"spec": spec, "R": oracle["R"], **extra}), oracle
     return builder
 
 
@@ -76,6 +81,8 @@ for _name, _spec in N2.items():
 for _name, _spec in N3.items():
     register(3, f"exact-{_name}", _exact(_spec, f"exact-{_name}"))
 register(3, "exact-subgroup", _exact(SUBGROUP, "exact-subgroup", run_subgroup))
+register(3, "exact-subgroup12", _exact(SUBGROUP12, "exact-subgroup12", run_subgroup, ranks=(1, 2)))
+register(2, "exact-update-both", _exact(UPDATE_BOTH, "exact-update-both", run_update_both))
 
 
 def _check(n: int, name: str) -> None:
@@ -99,6 +106,17 @@ def test_process_group_subgroup():
     vals = world.values("exact-subgroup")
     assert vals[2] == {"skipped": True}
     check_exact(vals[:2], world.extra("exact-subgroup"), 2, "sub-group {0, 1}")
+    vals = world.values("exact-subgroup12")
+    assert vals[0] == {"skipped": True}
+    check_exact(vals[1:], world.extra("exact-subgroup12"), 2, "sub-group {1, 2} (noise and broadcast from rank 1)")
+
+
+def test_update_trainable_on_every_rank():
+    """The same freeze + update_trainable() on every rank: the next step is exact for the new trainable set."""
+    world = shared_world(2)
+    vals = world.values("exact-update-both")
+    assert all("fc.weight" not in v["grads"] for v in vals)
+    check_exact(vals, world.extra("exact-update-both"), 2, "update_trainable on every rank")
 
 
 def test_broadcast_made_the_ranks_identical():

@@ -6,7 +6,9 @@ short timeout, never a silent wrong release.
   rank, naming the rank and why; nothing is released (p.grad stays None, parameters unchanged, steps and the ledger
   0) on any rank, and the next valid step releases exactly the oracle of ITS batch (the refused step's sums were
   discarded everywhere, not folded in).
-* Ranks that disagree at construction: a frozen parameter on one rank, a different max_grad_norm; a model wrapped
+* A rank that calls set_noise_multiplier() alone: refused on every rank, naming the noise multiplier.
+* Ranks that disagree at construction: a frozen parameter on one rank (the error names it, and not the parameters
+  the ranks agree on), a different max_grad_norm; a model wrapped
   in DistributedDataParallel (refused, naming the supported pattern); ``distributed=True`` with no process group.
 * ``distributed=False`` inside a world: independent one-process engines (each releases the oracle of its own shard).
 * A rank that never calls optimizer.step(): the others' error says the collective timed out (process group timeout
@@ -40,7 +42,8 @@ from oracle import assert_grads_close, clipped_sum, make_engine, oracle_model, p
 
 SHORT_TIMEOUT = 3.0
 REFUSE = Spec("mixed", ((3,), (2,)), seed=80)
-SCENARIOS = {"skip_backward": ("backward",), "frozen": ("fc.weight",), "update_trainable": ("trainable", "fc.weight")}
+SCENARIOS = {"skip_backward": ("backward",), "frozen": ("fc.weight",), "update_trainable": ("trainable", "fc.weight"),
+             "sigma": ("noise multiplier",)}
 FLAGS = Spec("mixed", ((3,), (2,)), seed=81)
 FLAGS_R = 0.05
 NEVER = Spec("mixed", ((2,), (2,)), seed=82)
@@ -57,9 +60,9 @@ def _refused_builder(scenario: str):
 
 for _s in SCENARIOS:
     register(2, f"refuse-{_s}", _refused_builder(_s))
-for _s in ("frozen", "max_grad_norm", "ddp"):
-    register(2, f"construct-{_s}", lambda _s=_s: (Case(f"construct-{_s}", run_construct,
-                                                       {"kind": "mixed", "scenario": _s}), None))
+for _s in ("frozen", "max_grad_norm", "ddp", "frozen-many"):
+    register(2, f"construct-{_s}", lambda _s=_s: (Case(f"construct-{_s}", run_construct, {
+        "kind": "many" if _s == "frozen-many" else "mixed", "scenario": _s.replace("-many", "")}), None))
 register(2, "flags", lambda: (Case("flags", run_distributed_flags, {"spec": FLAGS, "R": FLAGS_R}), None))
 register(2, "state", lambda: (Case("state", run_state, {"spec": FLAGS, "R": 1.0}), None))
 register(2, "never-step", lambda: (Case("never-step", run_never_step,
@@ -100,6 +103,16 @@ def test_refused_step_on_every_rank(scenario):
 ])
 def test_construction_refused_on_every_rank(scenario, needles):
     refused_everywhere(shared_world(2).values(f"construct-{scenario}"), scenario, *needles)
+
+
+def test_construction_names_only_the_difference():
+    """120 trainable tensors, rank 1 froze one: the error names that one, not the 119 the ranks agree on (a 7B model
+    has hundreds; an error listing them all does not name the difference)."""
+    vals = shared_world(2).values("construct-frozen-many")
+    refused_everywhere(vals, "frozen-many", "layers.layer030.weight", "rank 1")
+    for r, v in enumerate(vals):
+        assert "layers.layer017.weight" not in v["msg"], (
+            f"rank {r}'s error lists parameters the ranks agree on ({len(v['msg'])} characters): {v['msg'][:400]}...")
 
 
 def test_distributed_true_without_process_group():
