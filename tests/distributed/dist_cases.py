@@ -42,7 +42,8 @@ D = torch.float64
 
 
 class Mixed(nn.Module):
-    """Embedding -> Conv1d -> LayerNorm -> Linear -> mean over positions -> Linear head: ids (B, 7) -> (B, 3)."""
+    """Embedding -> Conv1d -> (+ a buffer) -> LayerNorm -> Linear -> mean over positions -> Linear head:
+    ids (B, 7) -> (B, 3). The buffer is part of the function, so rank 0's must be broadcast too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,12 +52,13 @@ class Mixed(nn.Module):
         self.norm = nn.LayerNorm(5)
         self.fc = nn.Linear(5, 4)
         self.head = nn.Linear(4, 3)
+        self.register_buffer("shift", 0.5 * torch.randn(5))
         with torch.no_grad():
             self.norm.weight.normal_(1.0, 0.3)
             self.norm.bias.normal_(0.0, 0.3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.conv(self.emb(ids).transpose(1, 2)).transpose(1, 2)
+        h = self.conv(self.emb(ids).transpose(1, 2)).transpose(1, 2) * (1 + self.shift)
         h = torch.tanh(self.fc(torch.tanh(self.norm(h))))
         return self.head(h.mean(1))
 
@@ -273,7 +275,11 @@ def _engine_and_opt(model: nn.Module, spec: Spec, R: float, lr: float = 1.0, **k
 
 
 def _run_shard(model: nn.Module, spec: Spec, batches: list[tuple]) -> None:
+    dtype = next(model.parameters()).dtype
     for x, y in batches:
+        if dtype != D:
+            x = tuple(t.to(dtype) if t.is_floating_point() else t for t in x)
+            y = y.to(dtype) if y.is_floating_point() else y
         per = LOSSES[spec.model](call_model(model, x), y)
         user_loss(per, spec.reduction).backward()
 
@@ -302,10 +308,14 @@ def run_exact(ctx: Any, spec: Spec, R: float, **kw: Any) -> dict[str, Any]:
 
 
 def run_noise(ctx: Any, spec: Spec, R: float, sigma: float, steps: int, lr: float,
-              gen_seeds: tuple[int, ...] | None = None, secure_mode: bool = False) -> dict[str, Any]:
+              gen_seeds: tuple[int, ...] | None = None, secure_mode: bool = False,
+              float32: bool = False) -> dict[str, Any]:
     """``steps`` noisy steps of the same shards (each step's data from ``spec.seed + step``); returns the first
-    step's released gradient, the final parameters and the privacy spent."""
+    step's released gradient, the final parameters and the privacy spent. ``float32``: the model and its float
+    inputs in float32 (the clipped sums and the noise then cross ranks in float32)."""
     model = build(spec.model, spec.seed)
+    if float32:
+        model = model.float()
     gen = None if gen_seeds is None else torch.Generator().manual_seed(gen_seeds[ctx.rank])
     engine, opt, names = _engine_and_opt(model, spec, R, lr=lr, sigma=sigma, noise_generator=gen,
                                          secure_mode=secure_mode)

@@ -15,6 +15,7 @@ result far beyond the tolerance: a test an unclipped or per-rank-clipped release
 from __future__ import annotations
 
 import pytest
+import torch
 from checks import check_exact
 from dist_cases import Spec, oracle_for, run_exact, run_subgroup, run_update_both
 from harness import Case, register, run_world, shared_world
@@ -41,6 +42,7 @@ N2: dict[str, Spec] = {
     "bitfit": Spec("mixed", ((3,), (2,)), seed=17, bitfit=True),
     "bitfit-virtual": Spec("mixed", ((1, 2), (0,)), seed=18, bitfit=True, style="layer-wise"),
     "broadcast-rank0": Spec("mixed", ((3,), (2,)), seed=19, model_seeds=(19, 91)),
+    "broadcast-rank0-bitfit": Spec("mixed", ((2,), (2,)), seed=23, model_seeds=(23, 32), bitfit=True),
     "all-empty-step": Spec("mixed", (None, None), seed=20),
     "all-zero-rows": Spec("mixed", ((0,), (0, 0)), seed=21),
 }
@@ -120,10 +122,13 @@ def test_update_trainable_on_every_rank():
 
 
 def test_broadcast_made_the_ranks_identical():
-    """The ranks built different models (seeds 19 and 91); rank 0's parameters were broadcast, so both released
-    the oracle of rank 0's model (checked in test_exact_two_ranks) and hold the same parameters."""
-    a, b = shared_world(2).values("exact-broadcast-rank0")
-    assert all((a["params"][n] == b["params"][n]).all() for n in a["params"])
+    """The ranks built different models (seeds 19 and 91); rank 0's parameters and buffer were broadcast, so both
+    released the oracle of rank 0's model (checked in test_exact_two_ranks) and hold the same parameters; with
+    DP-BiTFiT the frozen weights (part of the function) too."""
+    for name in ("exact-broadcast-rank0", "exact-broadcast-rank0-bitfit"):
+        a, b = shared_world(2).values(name)
+        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        assert len(a["params"]) == 9
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ Noise: after k = 3 noisy steps (sigma = 1) every rank's parameters are bit-ident
 the noiseless oracle (the batch-of-one clipped sum of the union batch, float64) over the 200,400 coordinates of a
 Linear(500, 400) has standard deviation sigma R / B within 8 standard errors (1.3 %), a bound that fails for
 sqrt(N) sigma R / B (noise drawn on every rank: +41 % at N = 2, +73 % at N = 3) and for 0 (no noise); the same
-with secure-mode noise. The noise is rank 0's: with the same noise_generator seed on rank 0, a different seed on
-rank 1 releases the same bits, and a different seed on rank 0 does not.
+with secure-mode noise, and for a float32 model on 3 ranks. The noise is rank 0's: with the same noise_generator
+seed on rank 0, a different seed on rank 1 releases the same bits, and a different seed on rank 0 does not.
 
 Accounting: every rank's ``engine.steps`` and ``get_privacy_spent()`` equal a one-process engine's after the same
 number of logical steps (rdp and prv), and the sample-rate monitor sees the global batch: its running total is the
@@ -59,7 +59,8 @@ for _case in (
                                       "accountant": "prv"}),
 ):
     register(2, _case.name, _plain(_case))
-for _case in (_noise_case(3, "noise"), Case("rate", run_rate_refused, {"spec": RATE, "sample_size": RATE_SAMPLE_SIZE})):
+for _case in (_noise_case(3, "noise"), _noise_case(3, "noise-float32", float32=True),
+              Case("rate", run_rate_refused, {"spec": RATE, "sample_size": RATE_SAMPLE_SIZE})):
     register(3, _case.name, _plain(_case))
 
 
@@ -91,6 +92,13 @@ def test_noise_once_two_ranks():
 
 def test_noise_once_three_ranks():
     _check_noise(shared_world(3).values("noise"), 3)
+
+
+def test_noise_once_three_ranks_float32():
+    """A float32 model: the sums and the noise cross ranks in float32; still bit-identical on every rank."""
+    vals = shared_world(3).values("noise-float32")
+    assert all(t.dtype == torch.float32 for t in vals[0]["params"].values())
+    _check_noise(vals, 3)
 
 
 def test_secure_noise_once_two_ranks():
