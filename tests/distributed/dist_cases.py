@@ -346,6 +346,46 @@ def run_accounting(ctx: Any, spec: Spec, steps: int, sigma: float, sample_size: 
     return {"per_step": out}
 
 
+def run_fixed_size(ctx: Any, spec: Spec, steps: int, sample_size: int) -> dict[str, Any]:
+    """``steps`` steps whose global batch always has the same size (a plain shuffled loader's symptom), with the
+    real sample-rate monitor: the step at which each rank warns about fixed-size batches (None: never)."""
+    import warnings
+
+    model = build(spec.model, spec.seed)
+    engine, opt, _ = _engine_and_opt(model, spec, 1.0, lr=0.0, sigma=1.0, sample_size=sample_size,
+                                     check_rate=True)
+    warned = None
+    for k in range(steps):
+        s = replace(spec, seed=spec.seed + k)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(engine, opt, model, s, ctx.rank, shard_batches(s)[ctx.rank])
+        if warned is None and any("fixed-size" in str(w.message) for w in caught):
+            warned = k + 1
+    return {"warned_at": warned, "steps": engine.steps}
+
+
+def run_budget_exhausted(ctx: Any, spec: Spec, planned: int) -> dict[str, Any]:
+    """enforce_budget with sigma calibrated for ``planned`` steps: step ``planned + 1`` must be refused on every
+    rank (PrivacyBudgetExceeded), nothing released, epsilon the same everywhere."""
+    model = build(spec.model, spec.seed)
+    engine, opt, _ = _engine_and_opt(model, spec, 1.0, lr=0.1, sigma=None, target_epsilon=1.0, steps=planned,
+                                     enforce_budget=True, sample_size=1000, accountant="rdp")
+    for k in range(planned):
+        opt.zero_grad(set_to_none=True)
+        s = replace(spec, seed=spec.seed + k)
+        _step(engine, opt, model, s, ctx.rank, shard_batches(s)[ctx.rank])
+    opt.zero_grad(set_to_none=True)
+    before = _params(model)
+    s = replace(spec, seed=spec.seed + planned)
+    out = _outcome(lambda: _step(engine, opt, model, s, ctx.rank, shard_batches(s)[ctx.rank]))
+    out["grads"] = _grads_or_none(model)
+    out["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    out["steps"] = engine.steps
+    out["epsilon"] = engine.get_privacy_spent()["epsilon"]
+    return out
+
+
 def run_rate_refused(ctx: Any, spec: Spec, sample_size: int) -> dict[str, Any]:
     """A step whose GLOBAL batch is far above the declared rate while each rank's shard alone is not: the
     sample-rate check (the real monitor) must refuse it on every rank, with nothing released."""

@@ -10,7 +10,8 @@ seed on rank 0, a different seed on rank 1 releases the same bits, and a differe
 Accounting: every rank's ``engine.steps`` and ``get_privacy_spent()`` equal a one-process engine's after the same
 number of logical steps (rdp and prv), and the sample-rate monitor sees the global batch: its running total is the
 sum over ranks, and a step whose union is far above the declared rate (30 samples at B = 6 of 60, 10 per rank: a
-single rank's 10 would pass) is refused on every rank with nothing released or accounted.
+single rank's 10 would pass) is refused on every rank with nothing released or accounted. Fixed-size global batches
+warn on every rank at the step one process warns; an exhausted budget (enforce_budget) refuses on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ import math
 import pytest
 import torch
 from checks import assert_bit_identical, refused_everywhere
-from dist_cases import Spec, build, noise_std_bound, oracle_for, run_accounting, run_noise, run_rate_refused
+from dist_cases import (
+    Spec,
+    build,
+    noise_std_bound,
+    oracle_for,
+    run_accounting,
+    run_budget_exhausted,
+    run_fixed_size,
+    run_noise,
+    run_rate_refused,
+)
 from harness import Case, register, shared_world
 from oracle import make_engine
 from scipy import stats
@@ -28,6 +39,8 @@ from scipy import stats
 SIGMA, R_NOISE, B_NOISE, K_STEPS = 1.0, 1.0, 8, 3
 NOISE = {2: Spec("big", ((3,), (1,)), seed=70, batch_size=B_NOISE),
          3: Spec("big", ((2,), (0,), (3,)), seed=71, batch_size=B_NOISE)}
+NOISE_RANK0_EMPTY = Spec("big", (None, (2,), (3,)), seed=75, batch_size=B_NOISE)  # rank 0 (the drawer): empty_step
+FIXED = Spec("mixed", ((1,), (2,), (1,)), seed=76, batch_size=4)  # 4 samples at every step (q = 4 / 1000)
 GEN = Spec("mixed", ((2,), (1,)), seed=72, batch_size=4)
 ACCT = Spec("mixed", ((2,), (1,)), seed=73, batch_size=4)
 RATE = Spec("mixed", ((10,), (10,), (10,)), seed=74, batch_size=6)  # 30 samples at q = 6 / 60
@@ -60,12 +73,16 @@ for _case in (
 ):
     register(2, _case.name, _plain(_case))
 for _case in (_noise_case(3, "noise"), _noise_case(3, "noise-float32", float32=True),
+              Case("noise-rank0-empty", run_noise, {"spec": NOISE_RANK0_EMPTY, "R": R_NOISE, "sigma": SIGMA,
+                                                    "steps": K_STEPS, "lr": 0.5}),
+              Case("fixed-size", run_fixed_size, {"spec": FIXED, "steps": 6, "sample_size": 1000}),
+              Case("budget-exhausted", run_budget_exhausted, {"spec": FIXED, "planned": 2}),
               Case("rate", run_rate_refused, {"spec": RATE, "sample_size": RATE_SAMPLE_SIZE})):
     register(3, _case.name, _plain(_case))
 
 
-def _check_noise(vals: list[dict], n_ranks: int) -> None:
-    spec = NOISE[n_ranks]
+def _check_noise(vals: list[dict], n_ranks: int, spec: Spec | None = None) -> None:
+    spec = NOISE[n_ranks] if spec is None else spec
     for r, v in enumerate(vals):
         assert v["steps"] == K_STEPS, f"rank {r}: engine.steps={v['steps']} after {K_STEPS} steps"
     assert_bit_identical([v["params"] for v in vals], f"parameters after {K_STEPS} noisy steps")
@@ -99,6 +116,32 @@ def test_noise_once_three_ranks_float32():
     vals = shared_world(3).values("noise-float32")
     assert all(t.dtype == torch.float32 for t in vals[0]["params"].values())
     _check_noise(vals, 3)
+
+
+def test_noise_once_when_rank0_has_an_empty_shard():
+    """Rank 0, the rank that draws the noise, calls engine.empty_step() while the others run backward passes."""
+    _check_noise(shared_world(3).values("noise-rank0-empty"), 3, NOISE_RANK0_EMPTY)
+
+
+def test_fixed_size_warning_on_every_rank():
+    """Global batches of 4 at every step (shards 1 / 2 / 1): every rank warns at the step one process warns."""
+    from fastdp.sampling_check import _fixed_size_steps
+
+    k_star = _fixed_size_steps(1000, FIXED.global_batch_size / 1000, 1e-3)
+    assert k_star is not None and k_star <= 6
+    vals = shared_world(3).values("fixed-size")
+    assert [v["warned_at"] for v in vals] == [k_star] * 3, (
+        f"fixed-size warning at steps {[v['warned_at'] for v in vals]}; one process warns at step {k_star}")
+
+
+def test_budget_exhausted_on_every_rank():
+    vals = shared_world(3).values("budget-exhausted")
+    refused_everywhere(vals, "budget after the planned steps", "epsilon", "target_epsilon")
+    for r, v in enumerate(vals):
+        assert "PrivacyBudgetExceeded" in v["mro"], f"rank {r}: {v['type']}"
+        assert v["steps"] == 2 and v["unchanged"], f"rank {r}: steps {v['steps']}, parameters changed"
+        assert all(g is None for g in v["grads"].values()), f"rank {r}: released in the refused step"
+    assert len({v["epsilon"] for v in vals}) == 1
 
 
 def test_secure_noise_once_two_ranks():

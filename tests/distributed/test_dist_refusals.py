@@ -42,19 +42,25 @@ from oracle import assert_grads_close, clipped_sum, make_engine, oracle_model, p
 
 SHORT_TIMEOUT = 3.0
 REFUSE = Spec("mixed", ((3,), (2,)), seed=80)
-SCENARIOS = {"skip_backward": ("backward",), "frozen": ("fc.weight",), "update_trainable": ("trainable", "fc.weight"),
-             "sigma": ("noise multiplier",)}
+#: case -> (scenario, culprit rank, what every rank's error must name besides the culprit)
+SCENARIOS = {"skip_backward": ("skip_backward", 1, ("backward",)),
+             "skip_backward-rank0": ("skip_backward", 0, ("backward",)),  # the rank that draws the noise
+             "frozen": ("frozen", 1, ("fc.weight",)),
+             "update_trainable": ("update_trainable", 1, ("trainable", "fc.weight")),
+             "sigma": ("sigma", 1, ("noise multiplier",))}
 FLAGS = Spec("mixed", ((3,), (2,)), seed=81)
 FLAGS_R = 0.05
 NEVER = Spec("mixed", ((2,), (2,)), seed=82)
 LOCAL = Spec("mixed", ((2,), (1,)), seed=83, batch_size=4)
 
 
-def _refused_builder(scenario: str):
+def _refused_builder(case: str):
+    scenario, culprit, _ = SCENARIOS[case]
+
     def builder():
         oracle = oracle_for(REFUSE)
-        return Case(f"refuse-{scenario}", run_refused_step,
-                    {"spec": REFUSE, "R": oracle["R"], "scenario": scenario}), oracle
+        return Case(f"refuse-{case}", run_refused_step,
+                    {"spec": REFUSE, "R": oracle["R"], "scenario": scenario, "culprit": culprit}), oracle
     return builder
 
 
@@ -75,12 +81,13 @@ for _enforce in (True, False):
              fresh_group=True), None))
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_refused_step_on_every_rank(scenario):
+@pytest.mark.parametrize("case", list(SCENARIOS))
+def test_refused_step_on_every_rank(case):
     world = shared_world(2)
-    name = f"refuse-{scenario}"
+    name = f"refuse-{case}"
     vals = world.values(name)
-    refused_everywhere([v["first"] for v in vals], name, "rank 1", *SCENARIOS[scenario])
+    _, culprit, needles = SCENARIOS[case]
+    refused_everywhere([v["first"] for v in vals], name, f"rank {culprit}", *needles)
     for r, v in enumerate(vals):
         a = v["after_first"]
         released = [n for n, g in a["grads"].items() if g is not None]
