@@ -297,8 +297,23 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_exact(ctx: Any, spec: Spec, R: float, **kw: Any) -> dict[str, Any]:
-    """One logical step of ``spec`` on this rank; returns what it released (and the parameters after SGD)."""
+def run_exact(ctx: Any, spec: Spec, R: float, bucket_bytes: int | None = None, **kw: Any) -> dict[str, Any]:
+    """One logical step of ``spec`` on this rank; returns what it released (and the parameters after SGD).
+    ``bucket_bytes``: the engine's all-reduce buckets that small (many buckets; its default argument, patched for
+    this case only)."""
+    if bucket_bytes is None:
+        return _run_exact(ctx, spec, R, **kw)
+    from fastdp.distributed import Group
+
+    old = Group.all_reduce_sum.__defaults__
+    Group.all_reduce_sum.__defaults__ = (bucket_bytes,)
+    try:
+        return _run_exact(ctx, spec, R, **kw)
+    finally:
+        Group.all_reduce_sum.__defaults__ = old
+
+
+def _run_exact(ctx: Any, spec: Spec, R: float, **kw: Any) -> dict[str, Any]:
     model = build(spec.model, spec.model_seeds[ctx.rank] if spec.model_seeds else spec.seed)
     prepare(model, spec)
     engine, opt, names = _engine_and_opt(model, spec, R, **kw)
@@ -344,6 +359,46 @@ def run_accounting(ctx: Any, spec: Spec, steps: int, sigma: float, sample_size: 
         out.append({"steps": engine.steps, "spent": engine.get_privacy_spent(),
                     "sampled": engine._release.sampling.total})
     return {"per_step": out}
+
+
+def run_communication(ctx: Any, spec: Spec, big: Spec) -> dict[str, Any]:
+    """Every torch.distributed collective the engine calls during one step, counted (calls and tensor bytes), for
+    two shard sizes (``spec`` and ``big``: more samples per rank): the per-step traffic must not grow with the batch
+    (per-sample norms never cross ranks) and the all-reduce must carry exactly the trainable parameters' size."""
+    import torch.distributed as dist
+
+    counted: dict[str, list[int]] = {}
+    real = {n: getattr(dist, n) for n in ("all_reduce", "all_gather", "all_gather_object", "broadcast",
+                                          "reduce_scatter", "all_to_all", "gather", "scatter",
+                                          "broadcast_object_list", "all_gather_into_tensor")}
+
+    def wrap(name: str):
+        def f(*a: Any, **k: Any) -> Any:
+            nbytes = 0
+            for x in list(a) + list(k.values()):
+                for t in (x if isinstance(x, (list, tuple)) else [x]):
+                    if isinstance(t, torch.Tensor):
+                        nbytes += t.numel() * t.element_size()
+            counted.setdefault(name, []).append(nbytes)
+            return real[name](*a, **k)
+        return f
+
+    out: dict[str, Any] = {}
+    for label, s in (("small", spec), ("big", big)):
+        model = build(s.model, s.seed)
+        engine, opt, names = _engine_and_opt(model, s, 1.0)
+        counted.clear()
+        for n in real:
+            setattr(dist, n, wrap(n))
+        try:
+            _step(engine, opt, model, s, ctx.rank, shard_batches(s)[ctx.rank])
+        finally:
+            for n, f in real.items():
+                setattr(dist, n, f)
+        out[label] = {"counted": {k: list(v) for k, v in counted.items()}, "engine": engine.communication,
+                      "param_bytes": sum(p.numel() * p.element_size() for p in engine.trainable_parameters.values())}
+        engine.detach()
+    return out
 
 
 def run_fixed_size(ctx: Any, spec: Spec, steps: int, sample_size: int) -> dict[str, Any]:

@@ -82,6 +82,9 @@ for _name, _spec in N2.items():
     register(2, f"exact-{_name}", _exact(_spec, f"exact-{_name}"))
 for _name, _spec in N3.items():
     register(3, f"exact-{_name}", _exact(_spec, f"exact-{_name}"))
+for _b in (64, 300):  # every tensor its own bucket; several tensors per bucket, cut between them
+    register(3, f"exact-buckets-{_b}", _exact(Spec("mixed", ((2,), (1, 2), (3,)), seed=60 + _b, style="layer-wise"),
+                                              f"exact-buckets-{_b}", bucket_bytes=_b))
 register(3, "exact-subgroup", _exact(SUBGROUP, "exact-subgroup", run_subgroup))
 register(3, "exact-subgroup12", _exact(SUBGROUP12, "exact-subgroup12", run_subgroup, ranks=(1, 2)))
 register(2, "exact-update-both", _exact(UPDATE_BOTH, "exact-update-both", run_update_both))
@@ -100,6 +103,12 @@ def test_exact_two_ranks(name):
 @pytest.mark.parametrize("name", list(N3))
 def test_exact_three_ranks(name):
     _check(3, f"exact-{name}")
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 300])
+def test_exact_with_small_buckets(bucket_bytes):
+    """All-reduce buckets of 64 or 300 bytes (the engine's are 25 MB): many buckets, exact and bit-identical."""
+    _check(3, f"exact-buckets-{bucket_bytes}")
 
 
 def test_process_group_subgroup():
