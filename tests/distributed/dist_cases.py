@@ -607,6 +607,21 @@ def run_never_step(ctx: Any, spec: Spec, R: float, sleep: float) -> dict[str, An
     return out
 
 
+def run_empty_step_misuse(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
+    """Rank 1 runs its backward pass, then calls engine.empty_step() (refused in one process: the batch is not
+    empty); rank 0 runs its backward and calls optimizer.step(). The refusal must be agreed: every rank raises,
+    naming rank 1's reason, without waiting for the process group's timeout; nothing is released."""
+    model = build(spec.model, spec.seed)
+    engine, opt, _ = _engine_and_opt(model, spec, R)
+    _run_shard(model, spec, shard_batches(spec)[ctx.rank])
+    t0 = time.monotonic()
+    out = _outcome(engine.empty_step if ctx.rank == 1 else opt.step)
+    out["seconds"] = time.monotonic() - t0
+    out["grads"] = _grads_or_none(model)
+    out["steps"] = engine.steps
+    return out
+
+
 def run_local_release(ctx: Any, spec: Spec, R: float, enforce: bool, release_sigma: float = 8.0) -> dict[str, Any]:
     """Rank 0 alone records another private release (a DP evaluation on rank 0 only, as people write it), then
     every rank takes a step. The ranks' accountants must not silently diverge: either every rank refuses the step,

@@ -11,6 +11,8 @@ short timeout, never a silent wrong release.
   the ranks agree on), a different max_grad_norm; a model wrapped
   in DistributedDataParallel (refused, naming the supported pattern); ``distributed=True`` with no process group.
 * ``distributed=False`` inside a world: independent one-process engines (each releases the oracle of its own shard).
+* engine.empty_step() after a backward pass on one rank: an agreed refusal (the others are told at once, not by a
+  timeout).
 * A rank that never calls optimizer.step(): the others' error says the collective timed out (process group timeout
   3 s), with nothing released.
 * Rank 0 alone records another release (a DP evaluation on rank 0 only): the ranks' accountants must not diverge
@@ -31,6 +33,7 @@ from dist_cases import (
     oracle_for,
     run_construct,
     run_distributed_flags,
+    run_empty_step_misuse,
     run_local_release,
     run_never_step,
     run_refused_step,
@@ -74,6 +77,9 @@ register(2, "state", lambda: (Case("state", run_state, {"spec": FLAGS, "R": 1.0}
 register(2, "never-step", lambda: (Case("never-step", run_never_step,
                                         {"spec": NEVER, "R": 1.0, "sleep": SHORT_TIMEOUT + 3},
                                         pg_timeout=SHORT_TIMEOUT, fresh_group=True), None))
+register(2, "empty-step-misuse", lambda: (Case("empty-step-misuse", run_empty_step_misuse,
+                                               {"spec": NEVER, "R": 1.0}, pg_timeout=SHORT_TIMEOUT,
+                                               fresh_group=True), None))
 for _enforce in (True, False):
     _name = f"local-release-{'budget' if _enforce else 'epsilon'}"
     register(2, _name, lambda _name=_name, _enforce=_enforce: (
@@ -163,6 +169,20 @@ def test_rank_that_never_steps_times_out():
     assert "timed out" in v["msg"].lower() or "timeout" in v["msg"].lower(), v["msg"]
     assert v["seconds"] < SHORT_TIMEOUT + 10, f"the refusal took {v['seconds']:.1f} s"
     assert all(g is None for g in v["grads"].values()) and v["steps"] == 0
+
+
+def test_empty_step_after_backward_on_one_rank_is_agreed():
+    """engine.empty_step() after a backward pass is refused in one process; on rank 1 alone (rank 0 steps normally)
+    the refusal is a check of the step like any other: every rank raises naming rank 1 and empty_step, at once."""
+    vals = shared_world(2).values("empty-step-misuse")
+    detail = "; ".join(f"rank {r} ({v['seconds']:.1f} s): {v.get('type')}: {v.get('msg', '')[:300]}"
+                       for r, v in enumerate(vals))
+    for r, v in enumerate(vals):
+        assert v["raised"], f"rank {r} did not raise: {detail}"
+        assert all(g is None for g in v["grads"].values()) and v["steps"] == 0, f"rank {r} released: {detail}"
+    assert "empty_step" in vals[0]["msg"] and "rank 1" in vals[0]["msg"], (
+        f"rank 0's error does not name rank 1's reason: {detail}")
+    assert vals[0]["seconds"] < SHORT_TIMEOUT, f"rank 0 waited for the collective's timeout: {detail}"
 
 
 @pytest.mark.parametrize("kind", ["budget", "epsilon"])
