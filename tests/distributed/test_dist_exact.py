@@ -5,7 +5,8 @@ relative), bit-identical across ranks. N = 2 and 3; even and uneven shards (3/1/
 backward passes per rank); every clipping mode; styles all-layer, layer-wise, param-wise and explicit groups;
 clipping functions abadi, automatic, global; sum and mean reductions; tied weights; the generic path (raw class
 token and position embedding); DP-BiTFiT; rank 0's parameters broadcast at construction; ``process_group=`` a
-sub-group (one without global rank 0 too); the same update_trainable() on every rank.
+sub-group (one without global rank 0 too); the same update_trainable() on every rank; all-reduce buckets of a few
+bytes; ten random 3-rank steps (shards, virtual batches, empty steps, model, mode, style, function, reduction).
 
 Each world runs every case of its table in one set of processes (tests/distributed/harness.py); the oracle runs in
 the pytest process before the world starts (it chooses R between the per-sample norms, so clipping changes the
@@ -13,6 +14,8 @@ result far beyond the tolerance: a test an unclipped or per-rank-clipped release
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -59,6 +62,29 @@ N3: dict[str, Spec] = {
     "bitfit": Spec("mixed", ((1,), (2,), (3,)), seed=55, bitfit=True),
     "ghost": Spec("mixed", ((3,), (1,), (2,)), seed=56, mode="ghost"),
 }
+
+def _random_specs(n: int, seed: int) -> dict[str, Spec]:
+    """``n`` random steps on 3 ranks (a fixed seed, so the same every run): each rank gets 0-3 physical batches of
+    0-4 samples or an empty_step(); model, mode, style, clipping function and reduction drawn too."""
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n):
+        shards = []
+        for _ in range(3):
+            k = rng.randint(0, 3)
+            shards.append(None if k == 0 else tuple(rng.randint(0, 4) for _ in range(k)))
+        if not any(s for s in shards):
+            shards[0] = (2,)
+        if sum(sum(s) for s in shards if s) == 0:
+            shards[0] = (1,)
+        out[f"random-{i}"] = Spec(rng.choice(["mixed", "vit", "tied"]), tuple(shards), seed=100 + i,
+                                  mode=rng.choice(CLIPPING_MODES), fn=rng.choice(["abadi", "automatic", "global"]),
+                                  style=rng.choice(["all-layer", "layer-wise", "groups"]),
+                                  reduction=rng.choice(["mean", "sum"]))
+    return out
+
+
+N3.update(_random_specs(10, 14))
 
 #: process_group= ranks {0, 1} and {1, 2} of the 3-rank world (shards by group rank)
 SUBGROUP = Spec("mixed", ((3,), (2,)), seed=57)
