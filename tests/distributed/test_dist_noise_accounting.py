@@ -164,7 +164,7 @@ def test_noise_is_rank0s_generator():
 def test_accounting_matches_one_process(accountant, steps):
     vals = shared_world(2).values(f"acct-{accountant}")
     solo = make_engine(build(ACCT.model, ACCT.seed), batch_size=ACCT.global_batch_size, sigma=1.0,
-                       sample_size=1000, accountant=accountant)
+                       sample_size=1000, accountant=accountant, distributed=False)
     solo.attach(torch.optim.SGD(solo.model.parameters(), lr=0.1))
     assert solo.world_size == 1 and solo.rank == 0
     per_step_samples = ACCT.samples
