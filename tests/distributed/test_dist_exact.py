@@ -19,8 +19,8 @@ import random
 
 import pytest
 import torch
-from checks import check_exact
 from dist_cases import Spec, oracle_for, run_exact, run_subgroup, run_update_both
+from dist_checks import check_exact
 from harness import Case, register, run_world, shared_world
 
 from fastdp.modes import CLIPPING_MODES

@@ -20,7 +20,6 @@ import math
 
 import pytest
 import torch
-from checks import assert_bit_identical, refused_everywhere
 from dist_cases import (
     Spec,
     build,
@@ -32,6 +31,7 @@ from dist_cases import (
     run_noise,
     run_rate_refused,
 )
+from dist_checks import assert_bit_identical, refused_everywhere
 from harness import Case, register, shared_world
 from oracle import make_engine
 from scipy import stats

@@ -27,7 +27,6 @@ import re
 
 import pytest
 import torch
-from checks import assert_bit_identical, refused_everywhere
 from dist_cases import (
     LOSSES,
     Spec,
@@ -42,6 +41,7 @@ from dist_cases import (
     run_state,
     shard_batches,
 )
+from dist_checks import assert_bit_identical, refused_everywhere
 from harness import Case, register, shared_world
 from oracle import assert_grads_close, clipped_sum, make_engine, oracle_model, per_sample_grads, trainable_names
 
