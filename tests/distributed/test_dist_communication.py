@@ -6,7 +6,8 @@ broadcast; ``engine.communication`` reports the same bytes."""
 
 from __future__ import annotations
 
-from dist_cases import Spec, run_communication
+from dist_cases import run_communication
+from dist_specs import Spec
 from harness import Case, register, shared_world
 
 SMALL = Spec("mixed", ((1,), (2,)), seed=90)

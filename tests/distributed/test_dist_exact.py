@@ -19,8 +19,9 @@ import random
 
 import pytest
 import torch
-from dist_cases import Spec, oracle_for, run_exact, run_subgroup, run_update_both
+from dist_cases import run_exact, run_subgroup, run_update_both
 from dist_checks import check_exact
+from dist_specs import Spec, oracle_for
 from harness import Case, register, run_world, shared_world
 
 from fastdp.modes import CLIPPING_MODES

@@ -21,10 +21,6 @@ import math
 import pytest
 import torch
 from dist_cases import (
-    Spec,
-    build,
-    noise_std_bound,
-    oracle_for,
     run_accounting,
     run_budget_exhausted,
     run_fixed_size,
@@ -32,6 +28,7 @@ from dist_cases import (
     run_rate_refused,
 )
 from dist_checks import assert_bit_identical, refused_everywhere
+from dist_specs import Spec, build, noise_std_bound, oracle_for
 from harness import Case, register, shared_world
 from oracle import make_engine
 from scipy import stats

@@ -27,11 +27,8 @@ import re
 
 import pytest
 import torch
-from dist_cases import (
-    LOSSES,
-    Spec,
-    build,
-    oracle_for,
+from dist_checks import assert_bit_identical, refused_everywhere
+from dist_refusal_cases import (
     run_construct,
     run_distributed_flags,
     run_empty_step_misuse,
@@ -39,9 +36,8 @@ from dist_cases import (
     run_never_step,
     run_refused_step,
     run_state,
-    shard_batches,
 )
-from dist_checks import assert_bit_identical, refused_everywhere
+from dist_specs import LOSSES, Spec, build, oracle_for, shard_batches
 from harness import Case, register, shared_world
 from oracle import assert_grads_close, clipped_sum, make_engine, oracle_model, per_sample_grads, trainable_names
 
