@@ -121,9 +121,11 @@ class Sharding:
         self._plan: Any = None
         self.params: dict[nn.Parameter, ShardedParam] = {}
         self._watched: set[int] = set()  # ids of unsharded parameters with an outside-use hook
-        self.noise = ShardNoise(engine)
+        #: the ``.grad`` each sharded parameter was given at the last step, and its version counter then
+        self._released: dict[nn.Parameter, tuple[torch.Tensor, int]] = {}
         self.bytes_scattered = 0  # bytes of full-size sums this rank put into reduce-scatters
         self.refresh()
+        self.noise = ShardNoise(engine)
 
     # ------------------------------------------------------------------ the map
     def refresh(self) -> None:
@@ -255,6 +257,26 @@ class Sharding:
                 out.append(full)
         return out
 
+    def _leaked_gradients(self) -> list[str]:
+        """Sharded parameters whose ``.grad`` is not what the engine released (FSDP reduce-scattered a gradient
+        of their unsharded parameter: a use outside their module, before its outside-use hook existed)."""
+        out = []
+        for p, sp in self.params.items():
+            g = p.grad
+            if g is None:
+                continue
+            mine = self._released.get(p)
+            if mine is None or mine[0] is not g or mine[1] != g.to_local()._version:
+                out.append(sp.name)
+        return out
+
+    def _watch_unsharded(self) -> None:
+        """Outside-use hooks on every unsharded parameter FSDP has made (from the second pass on they catch a use
+        outside the module when it happens; :meth:`_leaked_gradients` is the net before)."""
+        capture = self.engine._capture
+        for p in self.params:
+            self.detach_targets(p, capture._outside_use, capture._handles)
+
     def forget_hooks(self) -> None:
         """The capture stage removed its hooks: outside-use hooks are registered again on the next call."""
         self._watched.clear()
@@ -270,13 +292,23 @@ class Sharding:
         """
         self.refresh()
         group = self.engine._group
-        failed = torch.tensor([0.0 if result is not None else 1.0], dtype=torch.float64)
+        leaked = self._leaked_gradients() if result is not None else []
+        failed = torch.tensor([0.0 if result is not None and not leaked else 1.0], dtype=torch.float64)
         flags = [torch.empty_like(failed) for _ in range(group.world_size)]
         group._run("agreement at the end of a backward pass (sharded clipped sums)",
                    lambda: torch.distributed.all_gather(flags, failed, group=group.pg))
         bad = [r for r, f in enumerate(flags) if float(f) != 0.0]
+        self._watch_unsharded()
         if result is None:
             return None
+        if leaked:
+            raise RuntimeError(
+                f"sharded parameters {leaked[:5]}{'...' if len(leaked) > 5 else ''} received a gradient from "
+                "FSDP's own (non-private) reduce-scatter: autograd differentiated their unsharded parameter outside "
+                "the module that owns it (e.g. a weight read directly by another module, as in weight tying "
+                "through F.linear), a use fastdp cannot clip per sample. Tie weights through modules, or freeze "
+                "the parameter (or: its .grad was changed in place since the last step; call "
+                "optimizer.zero_grad() after optimizer.step()). Nothing of this backward pass is released.")
         if bad:
             raise RuntimeError(
                 f"rank(s) {bad} failed to clip this backward pass (see their error); rank {group.rank} discards it "
@@ -333,6 +365,7 @@ class Sharding:
                 g = noisy_mean(local, acc, std, batch_size, self.noise.generator(local.device))
             p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                         stride=p.stride())
+            self._released[p] = (p.grad, p.grad.to_local()._version)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -348,6 +381,36 @@ class Sharding:
                 f"of {state.get('world_size') if isinstance(state, dict) else '?'}, but this engine is rank "
                 f"{group.rank} of {group.world_size}: load each rank's own engine state")
         self.noise.load_state_dict(state.get("noise"))
+
+
+def checkpoint_state(engine: Any) -> dict[str, Any] | None:
+    """The engine checkpoint's ``"sharded_noise"`` entry: this rank's shard noise stream (``None``: no
+    fully_shard parameters)."""
+    sharding = getattr(engine, "_sharding", None)
+    return None if sharding is None else sharding.state_dict()
+
+
+def check_checkpoint_state(engine: Any, saved: Any) -> Callable[[], None]:
+    """Validate a checkpoint's ``"sharded_noise"`` entry against ``engine`` (raises ValueError naming the
+    difference) and return the function that applies it (called once every other check passed)."""
+    sharding = getattr(engine, "_sharding", None)
+    if sharding is None:
+        if saved is not None:
+            raise ValueError("the checkpoint was saved by an engine over a fully_shard (FSDP2) model, this engine's "
+                             "model is not sharded: resume with the same sharding")
+        return lambda: None
+    if saved is None:
+        raise ValueError("this engine's model is sharded with fully_shard (FSDP2) but the checkpoint has no shard "
+                         "noise state (saved by an engine over an unsharded model): resume with the same sharding")
+    group = engine._group
+    if not isinstance(saved, dict) or (saved.get("world_size"), saved.get("rank")) != (group.world_size, group.rank):
+        who = (saved.get("rank"), saved.get("world_size")) if isinstance(saved, dict) else ("?", "?")
+        raise ValueError(f"the shard noise state was saved by rank {who[0]!r} of {who[1]!r}, but this engine is "
+                         f"rank {group.rank} of {group.world_size}: load each rank's own engine state")
+    noise = saved.get("noise")
+    if not isinstance(noise, dict) or not {"seed", "device", "state"} <= set(noise):
+        raise ValueError(f"the checkpoint's shard noise state {noise!r} is not the one state_dict() saves")
+    return lambda: sharding.load_state_dict(saved)
 
 
 class ShardNoise:
@@ -426,5 +489,5 @@ def _buckets(order: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch
     return out
 
 
-__all__ = ["BUCKET_BYTES", "ShardNoise", "ShardedParam", "Sharding", "ShardingError", "is_dtensor",
-           "is_fully_sharded"]
+__all__ = ["BUCKET_BYTES", "ShardNoise", "ShardedParam", "Sharding", "ShardingError", "check_checkpoint_state",
+           "checkpoint_state", "is_dtensor", "is_fully_sharded"]

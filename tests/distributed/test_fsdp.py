@@ -168,24 +168,177 @@ def exact_worker(rank: int, world: int, sizes: list[list[int]], style="all-layer
     assert engine.steps == 1
 
 
-@pytest.mark.parametrize("sizes", [
-    [[3, 2]],  # uneven shards
-    [[1, 0]],  # batch size 1, an empty shard
-    [[0, 0]],  # the empty logical batch
-    [[2, 1], [0, 2]],  # virtual batches (two backward passes), an empty shard in one of them
-])
-def test_fsdp_exact_two_ranks(sizes):
-    spawn("exact_worker", 2, sizes=sizes)
+EXACT_TWO = [
+    dict(sizes=[[3, 2]]),  # uneven shards
+    dict(sizes=[[1, 0]]),  # batch size 1, an empty shard
+    dict(sizes=[[0, 0]]),  # the empty logical batch
+    dict(sizes=[[2, 1], [0, 2]]),  # virtual batches (two backward passes), an empty shard in one of them
+    dict(sizes=[[2, 3]], style="layer-wise", fn="automatic", reduction="sum"),
+    dict(sizes=[[2, 3]], style="all-layer", fn="global", mode="instantiate"),
+    dict(sizes=[[2, 3]], style="param-wise", mode="BK-ghost"),
+    dict(sizes=[[2, 3]], mode="BK-MixGhostClip", where="below"),
+]
 
 
-@pytest.mark.parametrize("style,fn,mode", [
-    ("layer-wise", "automatic", "BK-MixOpt"),
-    ("all-layer", "global", "instantiate"),
-    ("param-wise", "abadi", "BK-ghost"),
-])
-def test_fsdp_exact_styles(style, fn, mode):
-    spawn("exact_worker", 2, sizes=[[2, 3]], style=style, fn=fn, mode=mode, reduction="sum")
+def exact_cases_worker(rank: int, world: int, cases: list[dict]) -> None:
+    for case in cases:
+        exact_worker(rank, world, **case)
+
+
+def test_fsdp_exact_two_ranks():
+    """N = 2: uneven shards, batch size 1, empty shard and empty batch, virtual batches, every mode and style."""
+    spawn("exact_cases_worker", 2, cases=EXACT_TWO)
 
 
 def test_fsdp_exact_three_ranks():
-    spawn("exact_worker", 3, sizes=[[2, 0, 3]])
+    """N = 3: a rank with an empty shard; a shard of one row (the head's 3 outputs)."""
+    spawn("exact_cases_worker", 3, cases=[dict(sizes=[[2, 0, 3]]), dict(sizes=[[1, 1, 0], [0, 2, 1]])])
+
+
+# ------------------------------------------------------------------------------------------------ noise
+def noise_worker(rank: int, world: int, steps: int, sigma: float, R: float, B: int) -> None:
+    model = shard(build())
+    gen = torch.Generator().manual_seed(7)  # one seed on every rank, as a user seeds everything alike
+    engine = make_engine(model, batch_size=B, R=R, sigma=sigma, verify_structure=False, noise_generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    draws = []
+    for k in range(steps):
+        if k % 2:
+            engine.empty_step()  # noise only, no forward
+        else:  # an empty batch through the model: noise only
+            x, y = union_batch(0)
+            ce_per_sample(model(x), y).sum().backward()
+            opt.step()
+        grads = full_grads(model)
+        draws.append(torch.cat([g.flatten() for g in grads.values()]) * B / (sigma * R))
+        if k == 0:  # rank 0's rows and rank 1's rows of the embedding: different streams, not one stream twice
+            e = grads["emb.weight"]
+            assert not torch.allclose(e[:3], e[4:7]), "two ranks drew the same noise for their rows"
+        opt.zero_grad()
+    z = torch.stack(draws)
+    # each coordinate carries one N(0, sigma^2 R^2) / B draw: z ~ N(0, 1). sqrt(world) times that fails.
+    n = z.numel()
+    assert abs(float(z.std()) - 1.0) < 6 / math.sqrt(2 * n), f"std {float(z.std())} (n={n})"
+    assert abs(float(z.mean())) < 6 / math.sqrt(n)
+    assert engine.steps == steps
+
+
+def test_fsdp_noise_drawn_once_per_coordinate():
+    spawn("noise_worker", 2, steps=16, sigma=1.7, R=0.8, B=4)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _ckpt_engine(model, opt, sigma: float = 0.6):
+    gen = torch.Generator().manual_seed(3)
+    engine = make_engine(model, batch_size=4, R=0.9, sigma=sigma, verify_structure=False, noise_generator=gen)
+    engine.attach(opt)
+    return engine
+
+
+def _ckpt_step(model, opt, rank: int, k: int) -> None:
+    x, y = union_batch(5, seed=100 + k)
+    sizes = [3, 2]
+    ce_per_sample(model(split(x, sizes, rank)), split(y, sizes, rank)).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def checkpoint_worker(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = shard(build())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine = _ckpt_engine(model, opt)
+    for k in range(2):
+        _ckpt_step(model, opt, rank, k)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    torch.save(engine.state_dict(), os.path.join(path, f"engine{rank}.pt"))
+    for k in range(2, 4):
+        _ckpt_step(model, opt, rank, k)
+    want, eps = full_params(model), engine.get_privacy_spent() if hasattr(engine, "get_privacy_spent") else None
+    engine.detach()
+
+    # torch.distributed.checkpoint first: get_state_dict initialises a fresh optimizer's state with a step of its
+    # own, which an attached engine refuses (no backward pass); then the engine, attached, and its state
+    model2 = shard(build(seed=5))
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.01)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    engine2 = _ckpt_engine(model2, opt2)
+    other = torch.load(os.path.join(path, f"engine{1 - rank}.pt"), weights_only=False)
+    with pytest.raises(ValueError, match="rank"):
+        engine2.load_state_dict(other)  # another rank's state: refused, naming the ranks
+    engine2.load_state_dict(torch.load(os.path.join(path, f"engine{rank}.pt"), weights_only=False))
+    for k in range(2, 4):
+        _ckpt_step(model2, opt2, rank, k)
+    got = full_params(model2)
+    for n in want:
+        assert torch.equal(got[n], want[n]), f"rank {rank}: {n} differs after resuming"
+    assert engine2.steps == 4
+    if eps is not None:
+        assert engine2.get_privacy_spent() == eps
+
+
+def test_fsdp_checkpoint_resumes_bit_identically():
+    with tempfile.TemporaryDirectory() as d:
+        spawn("checkpoint_worker", 2, path=d)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+class Scale(nn.Module):
+    """A raw parameter: the generic per-sample path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(D, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.s
+
+
+class TiedByFunction(Tiny):
+    """The head's weight read by the root's forward through F.linear: a use outside its module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return nn.functional.linear(h, self.head.weight) + self.head(h)
+
+
+def refusal_worker(rank: int, world: int) -> None:
+    from fastdp.sharding import ShardingError
+
+    def engine_for(model, **kw):
+        kw.setdefault("verify_structure", False)
+        return make_engine(model, batch_size=4, **kw)
+
+    with pytest.raises(ShardingError, match="verify_structure=True"):
+        engine_for(shard(build()), verify_structure=True)
+    with pytest.raises(ShardingError, match="not distributed"):
+        engine_for(shard(build()), distributed=False)
+    with pytest.raises(ShardingError, match="clipping_mode='ghost'"):
+        engine_for(shard(build()), mode="ghost")
+    m = build()
+    m.blocks[1].scale = Scale()
+    with pytest.raises(ShardingError, match=r"blocks\.1\.scale\.s"):
+        engine_for(shard(m))
+    # a sharded parameter used outside its module: refused in the backward pass, on every rank, never released
+    torch.manual_seed(0)
+    m = shard(TiedByFunction().double())
+    engine = engine_for(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    engine.attach(opt)
+    x, y = union_batch(4)
+    with pytest.raises(RuntimeError, match="outside"):
+        ce_per_sample(m(split(x, [2, 2], rank)), split(y, [2, 2], rank)).mean().backward()
+    assert engine.steps == 0
+
+
+def test_fsdp_refusals():
+    spawn("refusal_worker", 2)
