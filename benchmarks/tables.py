@@ -257,8 +257,12 @@ def render(results: dict, view: str | None = None) -> str:
         if view not in views:
             raise ValueError(f"unknown table view {view!r}; choose from {sorted(views)}")
         return views[view](results)
-    preset = results.get("preset") or results["config"].get("preset")
     kind = results.get("kind", "steps")
+    if kind == "distributed":
+        from distributed import table
+
+        return table(results)
+    preset = results.get("preset") or results["config"].get("preset")
     if kind == "noise":
         return render_noise(results)
     if kind == "runs":

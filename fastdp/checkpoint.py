@@ -17,8 +17,9 @@ from fastdp import accounting
 from fastdp.sampling_check import SampleRateMonitor
 
 #: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier;
-#: 3 records sigma = 0 steps (and other releases) in the accountant's ledger
-STATE_VERSION = 3
+#: 3 records sigma = 0 steps (and other releases) in the accountant's ledger; 4 adds the world size and rank of a
+#: distributed run (absent before: one process)
+STATE_VERSION = 4
 
 
 def privacy_config(engine: Any) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def state_dict(engine: Any) -> dict[str, Any]:
             "noise_multiplier_now": rel.sigma, "accountant": rel.accountant.state_dict(),
             "noise_generator": None if gen is None else gen.get_state(),
             "config": privacy_config(engine), "sampling": rel.sampling.state_dict(),
-            "nonfinite_samples": rel.nonfinite_samples}
+            "nonfinite_samples": rel.nonfinite_samples, "world_size": engine.world_size, "rank": engine.rank}
 
 
 def _count(state: dict[str, Any], key: str, default: Any = None) -> int:
@@ -61,7 +62,7 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
             "gradients for the next one): the checkpoint would replace their accounting. Load checkpoints into "
             "a freshly built engine, before any backward pass.")
     version = state.get("version") if isinstance(state, dict) else None
-    if version not in (1, 2, STATE_VERSION):
+    if version not in (1, 2, 3, STATE_VERSION):
         raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 to "
                          f"{STATE_VERSION})")
     theirs = state.get("config")
@@ -73,6 +74,12 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
         detail = ", ".join(f"{k}: saved {a!r}, this engine {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"the saved engine state has a different privacy configuration ({detail}); build the "
                          "engine with the saved configuration to resume")
+    world, rank = state.get("world_size", 1), state.get("rank", 0)
+    if (world, rank) != (engine.world_size, engine.rank):
+        raise ValueError(
+            f"the checkpoint was saved by rank {rank!r} of {world!r} process(es), but this engine is rank "
+            f"{engine.rank} of {engine.world_size}: resume a distributed run with the same world size, each rank "
+            "loading the state its own rank saved (rank 0's holds the noise generator's state)")
     steps = _count(state, "steps")
     nonfinite = _count(state, "nonfinite_samples", 0)
     trial = accounting.make_accountant(rel.accountant.name)

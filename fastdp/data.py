@@ -9,7 +9,8 @@ provides exactly that sampling:
 * :func:`poisson_loader`: a ``DataLoader`` over a dataset (or rebuilt from an existing loader) driven by it, whose
   collate function turns an empty index list into an empty batch (:class:`EmptyBatchCollate`);
 * :func:`is_poisson`: whether a loader (or batch sampler) samples this way;
-* :class:`VirtualBatches`: split one logical batch into physical micro-batches that fit in memory.
+* :class:`VirtualBatches`: split one logical batch into physical micro-batches that fit in memory;
+* :class:`DistributedPoissonSampler` (in :mod:`fastdp.data_distributed`): each rank's part of a Poisson batch.
 
 See docs/guide/data.md and docs/reference/data.md.
 """
@@ -35,6 +36,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from fastdp.data_distributed import DistributedPoissonSampler, _batch_sampler
 from fastdp.noise import secure_generator
 
 logger = logging.getLogger(__name__)
@@ -227,13 +229,15 @@ def _check_loader_sampler(loader: DataLoader) -> None:
     raise ValueError(f"the loader's {what} would be replaced by Poisson sampling over the whole dataset, which is "
                      "what the privacy accounting assumes; its own sampling (weights, a subset, sharding) would be "
                      "lost. Pass the dataset to sample from instead (e.g. torch.utils.data.Subset for a subset); "
-                     "distributed Poisson sampling is not supported yet")
+                     "for sharding over ranks, poisson_loader(dataset, ..., distributed=True)")
 
 
 def poisson_loader(data: Dataset | DataLoader, batch_size: int | None = None, sample_size: int | None = None, *,
                    sample_rate: float | None = None, steps: int | None = None,
                    generator: torch.Generator | None = None, secure_mode: bool = False,
-                   empty_batch: Callable[[], Any] | None = None, **loader_kwargs: Any) -> DataLoader:
+                   empty_batch: Callable[[], Any] | None = None, distributed: bool | None = None,
+                   rank: int | None = None, world_size: int | None = None, process_group: Any = None,
+                   **loader_kwargs: Any) -> DataLoader:
     """A ``DataLoader`` drawing batches by Poisson sampling (:class:`PoissonSampler`) from a map-style dataset.
 
     Args:
@@ -249,12 +253,18 @@ def poisson_loader(data: Dataset | DataLoader, batch_size: int | None = None, sa
         sample_rate: ``q``, instead of ``batch_size``.
         steps, generator, secure_mode: as in :class:`PoissonSampler`.
         empty_batch: a callable returning the batch for an empty index list (see :class:`EmptyBatchCollate`).
+        distributed, rank, world_size, process_group: sample this rank's part of the global Poisson batch with a
+            :class:`~fastdp.data_distributed.DistributedPoissonSampler` (``batch_size``/``sample_size`` global) when
+            ``distributed=True``, when ``rank``/``world_size``/``process_group`` is given, when ``data``'s batch
+            sampler is one, or (``distributed=None``) when torch.distributed is initialised; ``False``: a
+            :class:`PoissonSampler` of the whole data set on this process.
         **loader_kwargs: other ``DataLoader`` arguments (``collate_fn``, ``num_workers``, ...); they override the
             ones copied from a loader. ``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler`` and
             ``drop_last`` are refused.
 
     Returns:
-        A ``DataLoader`` with a :class:`PoissonSampler` as ``batch_sampler`` (``len(loader)`` = its ``steps``) and an
+        A ``DataLoader`` with a :class:`PoissonSampler` (or :class:`DistributedPoissonSampler`) as
+        ``batch_sampler`` (``len(loader)`` = its ``steps``) and an
         :class:`EmptyBatchCollate` as ``collate_fn``. :func:`is_poisson` is true for it.
     """
     for key in _REFUSED:
@@ -308,8 +318,10 @@ def poisson_loader(data: Dataset | DataLoader, batch_size: int | None = None, sa
         kwargs.pop("prefetch_factor", None)  # DataLoader refuses a prefetch_factor without workers
     kwargs.update(loader_kwargs)
     collate_fn = kwargs.pop("collate_fn", collate_fn)
-    sampler = PoissonSampler(sample_size, sample_rate=sample_rate, batch_size=batch_size, steps=steps,
-                             generator=generator, secure_mode=secure_mode)
+    sampler = _batch_sampler(sample_size, sample_rate=sample_rate, batch_size=batch_size, steps=steps,
+                             generator=generator, secure_mode=secure_mode, distributed=distributed, rank=rank,
+                             world_size=world_size, process_group=process_group,
+                             previous=data.batch_sampler if isinstance(data, DataLoader) else None)
     collate = EmptyBatchCollate(collate_fn, dataset, empty_batch=empty_batch)
     logger.debug("poisson_loader: %r over %s", sampler, type(dataset).__name__)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
@@ -390,4 +402,5 @@ class VirtualBatches:
             yield _slice(self.batch, start, min(start + m, self.batch_size))
 
 
-__all__ = ["EmptyBatchCollate", "PoissonSampler", "VirtualBatches", "is_poisson", "poisson_loader"]
+__all__ = ["DistributedPoissonSampler", "EmptyBatchCollate", "PoissonSampler", "VirtualBatches", "is_poisson",
+           "poisson_loader"]

@@ -4,7 +4,7 @@ A thin facade over the stages of the data flow, one module each (docs/architectu
 
     plan (fastdp.plan) -> capture (fastdp.capture, fastdp.capture_generic)
       -> per-sample norms (fastdp.norms) -> clipping factors (fastdp.clipping) -> clipped sums (fastdp.clipped_sums)
-      -> [all-reduce: Release.reduce_sums] -> noise (fastdp.noise) -> optimizer (fastdp.release)
+      -> [all-reduce over ranks: fastdp.distributed] -> noise (fastdp.noise) -> optimizer (fastdp.release)
 
 1. **Forward.** A forward hook on every module of the plan keeps its input (only when a trainable parameter needs
    it: a bias-only layer keeps nothing) and registers a tensor hook on its output.
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fastdp import checkpoint, config, engine_registry
+from fastdp import distributed as fdist
 from fastdp.capture import Capture
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError
 from fastdp.clipping import group_threshold, resolve_groups
@@ -113,6 +114,13 @@ class PrivacyEngine:
             check: a model whose batch axis is not first (per-position clipping), that mixes or reorders samples,
             or whose hooks rescale a layer's output then trains silently without the stated privacy guarantee.
             Its cost is in ``probe_stats``.
+        distributed: ``None`` (default): data-parallel over ``torch.distributed``'s default group when it is
+            initialised (every rank builds the engine with the same arguments; ``batch_size`` and ``sample_size``
+            are global; each rank runs forward and backward on its part of the batch; the clipped sums are
+            all-reduced and the noise drawn once, by rank 0; see docs/guide/distributed.md and
+            :mod:`fastdp.distributed`). ``False``: one independent engine per process. ``True``: refuse to run
+            without an initialised process group.
+        process_group: the ``torch.distributed`` group to train over (default: the default group).
     """
 
     def __init__(
@@ -137,9 +145,13 @@ class PrivacyEngine:
         enforce_budget: bool = False,
         on_nonfinite: str = "raise",
         verify_structure: bool = True,
+        distributed: bool | None = None,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        fdist.refuse_wrapped(model)
+        self._group = fdist.Group.resolve(distributed, process_group)
         s = config.check(batch_size=batch_size, sample_size=sample_size, epochs=epochs, steps=steps,
                          noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
                          max_grad_norm=max_grad_norm, clipping_fn=clipping_fn, clipping_style=clipping_style,
@@ -165,6 +177,15 @@ class PrivacyEngine:
         if others:  # refused here already (friendlier than at attach)
             raise RuntimeError(engine_registry.conflict_message(
                 self._trainable.values(), {id(p): n for n, p in self._trainable.items()}, others))
+        if self._group is not None:
+            self._group.agree({**checkpoint.privacy_config(self), "verify_structure": self.verify_structure,
+                               "on_nonfinite": self.on_nonfinite, "enforce_budget": self.enforce_budget,
+                               "target_epsilon": self.target_epsilon,
+                               "trainable": sorted((n, tuple(p.shape), str(p.dtype))
+                                                   for n, p in self.plan.trainable.items())})
+            n = self._group.broadcast_module(model)
+            logger.info("data-parallel over %d ranks (rank %d, backend %s): rank 0's %d parameters and buffers "
+                        "broadcast", self._group.world_size, self._group.rank, self._group.backend, n)
         self._config_locked = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -182,6 +203,23 @@ class PrivacyEngine:
         object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ state of the stages, read-only views
+    @property
+    def world_size(self) -> int:
+        """Processes the logical batch is spread over (1 without ``torch.distributed``)."""
+        return 1 if self._group is None else self._group.world_size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the engine's group (0 without ``torch.distributed``)."""
+        return 0 if self._group is None else self._group.rank
+
+    @property
+    def communication(self) -> dict[str, int]:
+        """``{"all_reduce_bytes": B, "steps": n}``: the bytes this rank put into the all-reduces of clipped sums
+        over ``n`` released steps (the flat buffers' size; 0 on one process). The per-step figure equals the
+        trainable parameters' size in the clipped sums' accumulation dtype: what non-private DDP all-reduces."""
+        return {"all_reduce_bytes": self._release.bytes_reduced, "steps": self._release.steps}
+
     @property
     def noise_multiplier(self) -> float:
         """sigma of the next step (:meth:`set_noise_multiplier` changes it)."""

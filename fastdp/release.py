@@ -12,7 +12,8 @@ Last stages of the data flow (plan -> capture -> per-sample norms -> clipping fa
   noise is drawn) and counts the step; and the global pre-hook that refuses another optimizer's step while the
   engine holds gradients (:meth:`Release.other_step`).
 
-Distributed training adds its all-reduce in :meth:`Release.reduce_sums`, between the clipped sums and the noise.
+On several ranks (:mod:`fastdp.distributed`) the step's checks are agreed by every rank first, and the clipped sums
+are all-reduced with rank 0's noise (:meth:`Release._release_reduced`), so every rank releases the same gradient.
 It may touch: ``.grad`` of the model's parameters in the optimizer's step pre-hook, and its own state.
 """
 
@@ -28,9 +29,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fastdp import accounting
+from fastdp import accounting, distributed
 from fastdp.clipped_sums import BackwardResult
-from fastdp.noise import noisy_mean, secure_noisy_mean
+from fastdp.noise import noise_dtype, noisy_mean, secure_gaussian, secure_noisy_mean
 from fastdp.sampling_check import SampleRateMonitor
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class Release:
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
         self.empty_step = False  # an `engine.empty_step()` is running
+        self.bytes_reduced = 0  # bytes this rank put into all-reduces of clipped sums (several ranks)
+        self._fp_cache: tuple[Any, int] | None = None  # (plan, fingerprint of its trainable set)
 
     @property
     def noiseless_steps(self) -> int:
@@ -112,10 +115,6 @@ class Release:
         self.backward_seen = False
         self.step_samples = 0
 
-    def reduce_sums(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        """The seam for distributed training: one process today, so the local sums are the step's sums."""
-        return sums
-
     def set_sigma(self, noise_multiplier: float) -> None:
         """``PrivacyEngine.set_noise_multiplier``: sigma from the next step on (checked; the budget look-ahead
         resumes, since the calibration covered the old sigma only)."""
@@ -136,7 +135,41 @@ class Release:
 
     # ------------------------------------------------------------------ the step
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The attached optimizer's step pre-hook: check, noise, account (see the module docstring)."""
+        """The attached optimizer's step pre-hook: check, noise, account (see the module docstring). On several
+        ranks the checks are agreed first (:meth:`_agree_step`) and the sums all-reduced (:meth:`_release_reduced`)."""
+        eng = self.engine
+        group = eng._group
+        if group is None:
+            self._local_checks(optimizer, args, kwargs)
+            samples = self.step_samples
+        else:
+            samples = self._agree_step(group, optimizer, args, kwargs)
+        self._check_budget()
+        self._check_sample_rate(samples)
+        eng._capture.pending.clear()  # forward calls that never got a backward pass
+        if group is None:
+            sums = self.summed
+            std = self.sigma * eng.max_grad_norm
+            for p in eng.plan.trainable.values():
+                if eng.secure_mode:
+                    p.grad = secure_noisy_mean(p, sums.pop(p, None), std, eng.batch_size)
+                else:
+                    p.grad = noisy_mean(p, sums.pop(p, None), std, eng.batch_size, eng.noise_generator)
+        else:
+            self._release_reduced(group)
+        trainable = {id(p) for p in eng.plan.trainable.values()}
+        for group_ in optimizer.param_groups:
+            for p in group_["params"]:
+                if id(p) not in trainable:
+                    p.grad = None  # frozen since attach (update_trainable): never updated
+        self.summed.clear()
+        self.steps += 1
+        self.accountant.record_step(self.sigma, eng.sample_rate)  # sigma = 0 too: epsilon inf
+        self.step_samples = 0
+        self.backward_seen = False
+
+    def _local_checks(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """This process's checks of the step (raise before anything is released)."""
         eng = self.engine
         # `args` starts with the optimizer itself (torch passes step's full positional arguments).
         if len(args) > 1 or kwargs.get("closure") is not None:
@@ -157,31 +190,96 @@ class Release:
                 f"the accountant's ledger records {self.accountant.ledger.steps} training steps but the engine "
                 f"released {self.steps}: its history was changed outside the engine. Nothing was "
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
-        self._check_budget()
-        self._check_sample_rate()
-        eng._capture.pending.clear()  # forward calls that never got a backward pass
-        sums = self.reduce_sums(self.summed)
-        std = self.sigma * eng.max_grad_norm
-        for p in eng.plan.trainable.values():
-            if eng.secure_mode:
-                p.grad = secure_noisy_mean(p, sums.pop(p, None), std, eng.batch_size)
-            else:
-                p.grad = noisy_mean(p, sums.pop(p, None), std, eng.batch_size, eng.noise_generator)
-        trainable = {id(p) for p in eng.plan.trainable.values()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in trainable:
-                    p.grad = None  # frozen since attach (update_trainable): never updated
-        self.summed.clear()
-        self.steps += 1
-        self.accountant.record_step(self.sigma, eng.sample_rate)  # sigma = 0 too: epsilon inf
-        self.step_samples = 0
-        self.backward_seen = False
 
-    def _check_sample_rate(self) -> None:
-        """Test this step's logical batch size against the declared rate (:mod:`fastdp.sampling_check`); a
-        loader drawing more than declared is refused before anything is released."""
-        verdict = self.sampling.observe(self.step_samples)
+    # ------------------------------------------------------------------ several ranks
+    def _agree_step(self, group: distributed.Group, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> int:
+        """Every rank's checks, agreed through one header exchange: if any rank refuses, or the ranks disagree on
+        the step count, the noise multiplier or the trainable set, every rank discards its sums and raises (nothing
+        is released or accounted anywhere). Returns the global number of samples of the step."""
+        problem: Exception | None = None
+        try:
+            self._local_checks(optimizer, args, kwargs)
+        except Exception as e:  # told to every rank before it is raised here
+            problem = e
+        mine = distributed.StepHeader(problem is not None, self.step_samples, self.backward_seen or self.empty_step,
+                                      self.steps, self.sigma, self._trainable_fingerprint(),
+                                      distributed.text_fingerprint(repr(self.accountant.ledger.to_list())))
+        dev = next(iter(self.engine.plan.trainable.values())).device
+        try:
+            heads = group.exchange_headers(mine, dev)
+        except distributed.CollectiveError:
+            self.discard()
+            raise
+        refusing = [r for r, h in enumerate(heads) if h.refused]
+        if refusing:
+            msgs = group.gather_objects(None if problem is None else f"{type(problem).__name__}: {problem}",
+                                        "exchange of the ranks' refusals")
+            self.discard()
+            why = "; ".join(f"rank {r}: {msgs[r]}" for r in refusing)
+            if problem is not None:
+                raise type(problem)(f"{problem} [rank {group.rank}; the step was refused on every rank, nothing "
+                                    f"was released: {why}]") from problem
+            raise RuntimeError(f"step {self.step_number} refused on every rank (nothing was released here): "
+                               f"{why}")
+        field_names = {"steps": "released steps (resume every rank from the same checkpoint)",
+                       "sigma": "noise multiplier (call set_noise_multiplier on every rank)",
+                       "trainable": "trainable set (call update_trainable on every rank after the same change)",
+                       "ledger": "accountant's ledger (call record_release on every rank; resume every rank from "
+                                 "the same checkpoint)"}
+        for attr, what in field_names.items():
+            vals = [getattr(h, attr) for h in heads]
+            if any(v != vals[0] for v in vals):
+                self.discard()
+                raise RuntimeError(
+                    f"step {self.step_number} refused on every rank: the ranks disagree on the {what}: "
+                    + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals)) + "; nothing was released")
+        return sum(h.samples for h in heads)
+
+    def _trainable_fingerprint(self) -> int:
+        plan = self.engine.plan
+        if self._fp_cache is None or self._fp_cache[0] is not plan:
+            self._fp_cache = (plan, distributed.fingerprint(plan.trainable))
+        return self._fp_cache[1]
+
+    def _release_reduced(self, group: distributed.Group) -> None:
+        """``p.grad = (sum over ranks of the clipped sums + sigma R xi) / B`` on every rank: rank 0 draws the noise
+        into each all-reduce bucket at full scale (the secure mode's four-Gaussian sum there too), every rank adds
+        its sums, the bucket is all-reduced, and each rank divides by ``B``. Ranks without a sum for a parameter
+        (an empty shard, an unused branch) contribute zeros."""
+        eng = self.engine
+        std = self.sigma * eng.max_grad_norm
+        draw = group.rank == 0 and std > 0
+        sums = self.summed
+
+        def fill(flat: torch.Tensor, members: list[tuple[nn.Parameter, int]]) -> None:
+            if not draw:
+                flat.zero_()
+            elif eng.secure_mode:
+                flat.copy_(secure_gaussian(flat.shape, std, flat.device, flat.dtype))
+            else:
+                flat.normal_(0.0, std, generator=eng.noise_generator)
+            for p, off in members:
+                s = sums.get(p)
+                if s is not None:
+                    flat[off:off + p.numel()].add_(s.reshape(-1).to(flat.dtype))
+
+        params = list(eng.plan.trainable.values())
+        try:
+            reduced, sent = group.all_reduce_sum(params, noise_dtype, fill)
+        except distributed.CollectiveError:
+            self.discard()
+            raise
+        sums.clear()
+        for p in params:
+            p.grad = reduced.pop(p).div(eng.batch_size).to(p.dtype)
+        self.bytes_reduced += sent
+
+    def _check_sample_rate(self, samples: int) -> None:
+        """Test this step's logical batch size (over every rank) against the declared rate
+        (:mod:`fastdp.sampling_check`); a loader drawing more than declared is refused before anything is
+        released."""
+        verdict = self.sampling.observe(samples)
         for msg in verdict.warnings:
             warnings.warn(msg, stacklevel=5)
         if verdict.refuse is not None:

@@ -59,10 +59,10 @@ def test_sigma_zero_steps_are_in_the_ledger():
         engine.noiseless_steps = 0  # type: ignore[misc]
 
 
-def test_version_3_checkpoint_round_trip_keeps_the_order():
+def test_version_4_checkpoint_round_trip_keeps_the_order():
     _, engine, _ = _phased_engine()
     state = engine.state_dict()
-    assert state["version"] == 3 and state["noiseless_steps"] == 1
+    assert state["version"] == 4 and state["noiseless_steps"] == 1
     assert [e[0] for e in state["accountant"]["history"]] == [1.0, 0.0, 1.0]
     fresh, _ = _engine(_model())
     fresh.load_state_dict(copy.deepcopy(state))
