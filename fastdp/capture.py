@@ -370,15 +370,17 @@ class Capture:
         cfg: ClipConfig = self.engine.clip_config
         sharding = getattr(self.engine, "_sharding", None)
         try:
+            # fully_shard: each sharded sum is reduce-scattered to this rank's rows as it is formed
+            stream = None if sharding is None else sharding.stream(done, self.plan.param_of)
             try:
                 with self.inert_hooks():  # GhostClip's and the generic path's replays call the modules again
-                    result = clipped_sums(done, self.plan.param_of, cfg)
+                    result = clipped_sums(done, self.plan.param_of, cfg, stream)
             except BaseException:
-                if sharding is not None:
-                    sharding.reduce_scatter(None)  # tell the other ranks, which raise too
+                if stream is not None:
+                    stream.fail()  # tell the other ranks, which raise too
                 raise
-            if sharding is not None:  # full-size sums of sharded parameters -> this rank's rows of their sum
-                result = sharding.reduce_scatter(result)
+            if stream is not None:
+                result = stream.finish(result)
         except BaseException as e:
             self.pending.extend(done)
             self.drop_forwards({r.forward for r in done}, f"the end-of-backward clipping raised {type(e).__name__}")

@@ -282,25 +282,29 @@ class Sharding:
         self._watched.clear()
 
     # ------------------------------------------------------------------ end of a backward pass
-    def reduce_scatter(self, result: BackwardResult | None) -> BackwardResult | None:
-        """Replace the full-size clipped sum of every sharded parameter in ``result`` by this rank's rows of its sum
-        over the ranks (every rank, every sharded parameter, plan order; zeros for a parameter this rank's pass did
-        not reach). ``result=None``: this rank's clipping failed; it tells the others, which raise too.
+    def stream(self, records: Sequence[Any], param_of: dict[tuple[int, str], nn.Parameter]) -> SumStream:
+        """The consumer of one backward pass's clipped sums (:func:`fastdp.clipped_sums.clipped_sums`'s
+        ``stream``): see :class:`SumStream`."""
+        self.refresh()
+        return SumStream(self, records, param_of)
+
+    def agree_pass(self, failed: bool) -> None:
+        """The ranks' agreement before the reduce-scatters of a backward pass: one small ``all_gather`` of a
+        failure flag (this rank's clipping failed, or a sharded parameter got a non-private gradient).
 
         Raises:
-            RuntimeError: on every rank, when some rank's clipping of this backward pass failed.
+            RuntimeError: on every rank, when some rank failed (nothing of the pass is released anywhere).
         """
-        self.refresh()
         group = self.engine._group
-        leaked = self._leaked_gradients() if result is not None else []
-        failed = torch.tensor([0.0 if result is not None and not leaked else 1.0], dtype=torch.float64)
-        flags = [torch.empty_like(failed) for _ in range(group.world_size)]
+        leaked = [] if failed else self._leaked_gradients()
+        flag = torch.tensor([1.0 if failed or leaked else 0.0], dtype=torch.float64)
+        flags = [torch.empty_like(flag) for _ in range(group.world_size)]
         group._run("agreement at the end of a backward pass (sharded clipped sums)",
-                   lambda: torch.distributed.all_gather(flags, failed, group=group.pg))
-        bad = [r for r, f in enumerate(flags) if float(f) != 0.0]
+                   lambda: torch.distributed.all_gather(flags, flag, group=group.pg))
         self._watch_unsharded()
-        if result is None:
-            return None
+        bad = [r for r, f in enumerate(flags) if float(f) != 0.0]
+        if failed:
+            return
         if leaked:
             raise RuntimeError(
                 f"sharded parameters {leaked[:5]}{'...' if len(leaked) > 5 else ''} received a gradient from "
@@ -313,13 +317,12 @@ class Sharding:
             raise RuntimeError(
                 f"rank(s) {bad} failed to clip this backward pass (see their error); rank {group.rank} discards it "
                 "too, so nothing of the pass is released on any rank.")
-        sums = result.sums
-        order = list(self.params.values())
-        for bucket in _buckets(order, lambda sp: noise_dtype(sp.param), BUCKET_BYTES):
-            self._scatter_bucket(bucket, sums)
-        return result
 
-    def _scatter_bucket(self, bucket: list[ShardedParam], sums: dict[nn.Parameter, torch.Tensor]) -> None:
+    def scatter_bucket(self, bucket: list[ShardedParam], sums: dict[nn.Parameter, torch.Tensor],
+                       out_rows: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Reduce-scatter one bucket of full-size sums (popped from ``sums``; a missing one is zeros) into this
+        rank's rows (``out_rows``). The flat buffer is rank-major: rank ``r``'s part holds rows
+        ``[r c, (r + 1) c)`` of each member, zero padded to ``c`` rows (FSDP2's layout)."""
         first = bucket[0]
         world, dev = first.world, first.param.device
         dtype = noise_dtype(first.param)  # the same on every rank, whatever this rank's pass reached
@@ -327,15 +330,14 @@ class Sharding:
         flat = torch.zeros(world, per_rank, dtype=dtype, device=dev)
         off = 0
         for sp in bucket:
-            n = sp.chunk * sp.row_numel
             s = sums.pop(sp.param, None)
-            if s is not None:  # rank-major: rank r's slice of the buffer gets rows [r c, (r + 1) c) (zero padded)
+            if s is not None:
                 rows = s.reshape(s.shape[0], -1)
                 for r in range(world):
                     part = rows[r * sp.chunk:(r + 1) * sp.chunk].reshape(-1)
                     flat[r, off:off + part.numel()].copy_(part)
                 del s, rows
-            off += n
+            off += sp.chunk * sp.row_numel
         out = torch.empty(per_rank, dtype=dtype, device=dev)
         self.engine._group._run("reduce-scatter of the sharded clipped sums",
                                 lambda: torch.distributed.reduce_scatter_single(out, flat.view(-1), group=first.group))
@@ -343,9 +345,8 @@ class Sharding:
         del flat
         off = 0
         for sp in bucket:
-            n = sp.chunk * sp.row_numel
-            sums[sp.param] = out[off:off + sp.local_rows * sp.row_numel].view(sp.local_shape())
-            off += n
+            out_rows[sp.param] = out[off:off + sp.local_rows * sp.row_numel].view(sp.local_shape())
+            off += sp.chunk * sp.row_numel
 
     # ------------------------------------------------------------------ the step (release stage)
     def release(self, sums: dict[nn.Parameter, torch.Tensor], std: float, batch_size: int) -> None:
@@ -411,6 +412,66 @@ def check_checkpoint_state(engine: Any, saved: Any) -> Callable[[], None]:
     if not isinstance(noise, dict) or not {"seed", "device", "state"} <= set(noise):
         raise ValueError(f"the checkpoint's shard noise state {noise!r} is not the one state_dict() saves")
     return lambda: sharding.load_state_dict(saved)
+
+
+class SumStream:
+    """One backward pass's sharded clipped sums, reduce-scattered as soon as they are formed.
+
+    The clipping stage hands each parameter's full-size sum to :meth:`take` as soon as it is formed. The sums are
+    reduce-scattered in buckets of consecutive sharded parameters in plan order (the same collectives, in the same
+    order, on every rank): a bucket goes once every member this rank's pass reached has arrived (a member it did not
+    reach contributes zeros), and its full-size sums are freed. With sums formed in plan order (a model's forward
+    order), at most about one bucket of full-size sums exists at a time. :meth:`begin` is the ranks' agreement
+    before the first reduce-scatter; :meth:`finish` flushes what is left and puts this rank's rows into the pass's
+    result; :meth:`fail` tells the other ranks this rank's clipping failed before :meth:`begin`.
+    """
+
+    def __init__(self, sharding: Sharding, records: Sequence[Any],
+                 param_of: dict[tuple[int, str], nn.Parameter]) -> None:
+        self.sharding = sharding
+        self.expected = {p for r in records for n in r.names
+                         if (p := param_of[(id(r.module), n)]) in sharding.params}
+        self.buckets = _buckets(list(sharding.params.values()), lambda sp: noise_dtype(sp.param), BUCKET_BYTES)
+        self.next = 0
+        self.held: dict[nn.Parameter, torch.Tensor] = {}
+        self.rows: dict[nn.Parameter, torch.Tensor] = {}
+        self.begun = False
+
+    def begin(self) -> None:
+        self.begun = True
+        self.sharding.agree_pass(failed=False)
+
+    def take(self, param: nn.Parameter, value: torch.Tensor) -> bool:
+        if param not in self.sharding.params:
+            return False
+        self.held[param] = value
+        self._flush(final=False)
+        return True
+
+    def _flush(self, final: bool) -> None:
+        while self.next < len(self.buckets):
+            bucket = self.buckets[self.next]
+            if not final and any(sp.param in self.expected and sp.param not in self.held for sp in bucket):
+                return
+            self.sharding.scatter_bucket(bucket, self.held, self.rows)
+            self.next += 1
+
+    def finish(self, result: BackwardResult) -> BackwardResult:
+        if not self.begun:
+            self.begin()
+        for p in list(result.sums):  # sums formed without take() (none today): scattered like the others
+            if p in self.sharding.params:
+                self.held[p] = result.sums.pop(p)
+        self._flush(final=True)
+        result.sums.update(self.rows)
+        return result
+
+    def fail(self) -> None:
+        if not self.begun:
+            self.sharding.agree_pass(failed=True)
+        elif 0 < self.next < len(self.buckets):  # pragma: no cover - failed between reduce-scatters (a bug, OOM)
+            logger.error("the clipping of a backward pass failed between the reduce-scatters of the sharded sums; "
+                         "the other ranks' next collective fails or times out")
 
 
 class ShardNoise:
@@ -489,5 +550,5 @@ def _buckets(order: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch
     return out
 
 
-__all__ = ["BUCKET_BYTES", "ShardNoise", "ShardedParam", "Sharding", "ShardingError", "check_checkpoint_state",
+__all__ = ["BUCKET_BYTES", "ShardNoise", "ShardedParam", "Sharding", "ShardingError", "SumStream", "check_checkpoint_state",
            "checkpoint_state", "is_dtensor", "is_fully_sharded"]
