@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,8 +122,8 @@ class Sharding:
         self._plan: Any = None
         self.params: dict[nn.Parameter, ShardedParam] = {}
         self._watched: set[int] = set()  # ids of unsharded parameters with an outside-use hook
-        #: the ``.grad`` each sharded parameter was given at the last step, and its version counter then
-        self._released: dict[nn.Parameter, tuple[torch.Tensor, int]] = {}
+        #: the ``.grad`` each sharded parameter was given at the last step (weakly), and its version counter then
+        self._released: dict[nn.Parameter, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.bytes_scattered = 0  # bytes of full-size sums this rank put into reduce-scatters
         self.refresh()
         self.noise = ShardNoise(engine)
@@ -266,7 +267,7 @@ class Sharding:
             if g is None:
                 continue
             mine = self._released.get(p)
-            if mine is None or mine[0] is not g or mine[1] != g.to_local()._version:
+            if mine is None or mine[0]() is not g or mine[1] != g.to_local()._version:
                 out.append(sp.name)
         return out
 
@@ -366,7 +367,7 @@ class Sharding:
                 g = noisy_mean(local, acc, std, batch_size, self.noise.generator(local.device))
             p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                         stride=p.stride())
-            self._released[p] = (p.grad, p.grad.to_local()._version)
+            self._released[p] = (weakref.ref(p.grad), p.grad.to_local()._version)  # weak: zero_grad frees it
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
