@@ -46,6 +46,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -341,7 +342,7 @@ class Sharding:
             off += sp.chunk * sp.row_numel
         out = torch.empty(per_rank, dtype=dtype, device=dev)
         self.engine._group._run("reduce-scatter of the sharded clipped sums",
-                                lambda: torch.distributed.reduce_scatter_single(out, flat.view(-1), group=first.group))
+                                partial(torch.distributed.reduce_scatter_single, out, flat.view(-1), group=first.group))
         self.bytes_scattered += flat.numel() * flat.element_size()
         del flat
         off = 0
@@ -358,7 +359,7 @@ class Sharding:
 
         self.refresh()
         secure = self.engine.secure_mode
-        for p, sp in self.params.items():
+        for p in self.params:
             local = p.to_local()
             acc = sums.pop(p, None)
             if secure:
@@ -551,5 +552,5 @@ def _buckets(order: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch
     return out
 
 
-__all__ = ["BUCKET_BYTES", "ShardNoise", "ShardedParam", "Sharding", "ShardingError", "SumStream", "check_checkpoint_state",
-           "checkpoint_state", "is_dtensor", "is_fully_sharded"]
+__all__ = ["BUCKET_BYTES", "ShardNoise", "ShardedParam", "Sharding", "ShardingError", "SumStream",
+           "check_checkpoint_state", "checkpoint_state", "is_dtensor", "is_fully_sharded"]

@@ -98,4 +98,5 @@ def fsdp_unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
 
 
 __all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
-           "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten", "tree_map", "tree_unflatten"]
+           "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
+           "tree_map", "tree_unflatten"]

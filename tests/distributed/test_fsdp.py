@@ -9,12 +9,10 @@ distinct streams); checkpoints through ``torch.distributed.checkpoint`` resume b
 
 from __future__ import annotations
 
-import copy
 import datetime
 import math
 import os
 import socket
-import sys
 import tempfile
 import warnings
 
@@ -22,12 +20,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from oracle import (
+    assert_grads_close,
+    ce_per_sample,
+    choose_R,
+    clipped_sum,
+    make_engine,
+    make_groups,
+    oracle_model,
+    per_sample_grads,
+    trainable_names,
+)
 from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from oracle import assert_grads_close, ce_per_sample, choose_R, make_engine, make_groups  # noqa: E402
-from oracle import clipped_sum, oracle_model, per_sample_grads, trainable_names  # noqa: E402
 
 V, D, T, H = 7, 5, 3, 3  # vocabulary, width, positions, head outputs: none divisible by 2 (or 3 for V, D)
 
