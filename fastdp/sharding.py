@@ -238,6 +238,7 @@ class Sharding:
         """The tensors whose ``requires_grad`` ghost differentiation turns off for ``p``'s module call: ``p`` and,
         for a sharded ``p``, its unsharded parameter (once FSDP has made it; before that FSDP copies ``p``'s flag).
         A new unsharded parameter gets the outside-use hook (appended to ``hooks``, removed with the others)."""
+        self.refresh()  # the trainable set may have changed (update_trainable)
         sp = self.params.get(p)
         if sp is None:
             return [p]

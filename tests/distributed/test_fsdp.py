@@ -60,9 +60,18 @@ class Tiny(nn.Module):
         return self.head(h)  # (B, T, H)
 
 
-def build(seed: int = 0) -> nn.Module:
+class TiedTiny(Tiny):
+    """The head's weight is the embedding's (tied through modules, as GPT-2's lm_head and wte)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def build(seed: int = 0, variant: str = "default") -> nn.Module:
     torch.manual_seed(seed)
-    m = Tiny().double()
+    m = (TiedTiny() if variant == "tied" else Tiny()).double()
     with torch.no_grad():  # non-trivial LayerNorm affine parameters
         for b in m.blocks:
             b.ln.weight.add_(0.3 * torch.randn(D, dtype=torch.float64))
@@ -70,14 +79,16 @@ def build(seed: int = 0) -> nn.Module:
     return m
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, blocks=None, root: bool = True) -> nn.Module:
+    """``fully_shard`` on each block and (``root``) the model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for b in model.blocks:
+    for b in (model.blocks if blocks is None else blocks):
         fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if root:
+        fully_shard(model, mesh=mesh)
     return model
 
 
@@ -144,17 +155,20 @@ def _oracle(model: nn.Module, x: torch.Tensor, y: torch.Tensor, style, fn: str, 
 
 
 def exact_worker(rank: int, world: int, sizes: list[list[int]], style="all-layer", fn="abadi", mode="BK-MixOpt",
-                 where="middle", reduction="mean") -> None:
-    """``sizes[k][r]``: samples of rank ``r`` in backward pass ``k`` of the one logical step."""
-    model = build()
+                 where="middle", reduction="mean", variant="default") -> None:
+    """``sizes[k][r]``: samples of rank ``r`` in backward pass ``k`` of the one logical step. ``variant``: "tied"
+    (the head's weight is the embedding's), "blocks-only" (the root is not sharded: its parameters are all-reduced,
+    the blocks' reduce-scattered)."""
+    model = build(variant=variant)
     n = sum(sum(s) for s in sizes)
     x, y = union_batch(n)
     batch_size = max(n, 1)  # the expected batch (the divisor); the empty logical batch releases zeros at sigma 0
     R, want = _oracle(model, x, y, style, fn, where, batch_size)
-    shard(model)
+    shard(model, root=variant != "blocks-only")
     engine = make_engine(model, batch_size=batch_size, R=R, fn=fn, style=style, mode=mode, reduction=reduction,
                          verify_structure=False)
-    assert engine._sharding is not None and len(engine._sharding.params) == len(want)
+    sharded = sum(1 for n in want if not (variant == "blocks-only" and not n.startswith("blocks.")))
+    assert engine._sharding is not None and len(engine._sharding.params) == sharded
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     engine.attach(opt)
     start = 0
@@ -181,6 +195,8 @@ EXACT_TWO = [
     dict(sizes=[[2, 3]], style="all-layer", fn="global", mode="instantiate"),
     dict(sizes=[[2, 3]], style="param-wise", mode="BK-ghost"),
     dict(sizes=[[2, 3]], mode="BK-MixGhostClip", where="below"),
+    dict(sizes=[[3, 1]], variant="tied"),  # a weight shared by two modules of the root's FSDP unit
+    dict(sizes=[[1, 3]], variant="blocks-only", style="layer-wise"),  # sharded and replicated parameters mixed
 ]
 
 
@@ -197,6 +213,31 @@ def test_fsdp_exact_two_ranks():
 def test_fsdp_exact_three_ranks():
     """N = 3: a rank with an empty shard; a shard of one row (the head's 3 outputs)."""
     spawn("exact_cases_worker", 3, cases=[dict(sizes=[[2, 0, 3]]), dict(sizes=[[1, 1, 0], [0, 2, 1]])])
+
+
+def gpt2_worker(rank: int, world: int, sizes: list[int]) -> None:
+    """Hugging Face GPT-2 from a tiny config: Conv1D layers, tied wte / lm_head, broadcast position ids."""
+    from model_oracle import LMWrap, gpt2, lm_batches, lm_loss, oracle_for
+
+    torch.manual_seed(0)
+    model = LMWrap(gpt2()).double().train()
+    n = sum(sizes)
+    [((ids,), tgt)] = lm_batches([n], 3)
+    _, names, groups, psg = oracle_for(model, lm_loss, [((ids,), tgt)])
+    R = choose_R(psg, groups, "middle")
+    want = clipped_sum(psg, groups, "abadi", R, n)
+    shard(model, blocks=model.m.transformer.h)
+    engine = make_engine(model, batch_size=n, R=R, verify_structure=False)
+    assert len(engine._sharding.params) == len(names)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    lm_loss(model(split(ids, sizes, rank)), split(tgt, sizes, rank)).mean().backward()
+    opt.step()
+    assert_grads_close(full_grads(model), want, msg=f"gpt2 rank {rank}")
+
+
+def test_fsdp_exact_gpt2():
+    spawn("gpt2_worker", 2, sizes=[2, 1])
 
 
 # ------------------------------------------------------------------------------------------------ noise
