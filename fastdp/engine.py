@@ -219,10 +219,13 @@ class PrivacyEngine:
 
     @property
     def communication(self) -> dict[str, int]:
-        """``{"all_reduce_bytes": B, "steps": n}``: the bytes this rank put into the all-reduces of clipped sums
-        over ``n`` released steps (the flat buffers' size; 0 on one process). The per-step figure equals the
-        trainable parameters' size in the clipped sums' accumulation dtype: what non-private DDP all-reduces."""
-        return {"all_reduce_bytes": self._release.bytes_reduced, "steps": self._release.steps}
+        """``{"all_reduce_bytes": B, "steps": n, "reduce_scatter_bytes": S}``: the bytes this rank put into the
+        all-reduces of clipped sums over ``n`` released steps (the flat buffers' size; 0 on one process). The
+        per-step figure equals the trainable parameters' size in the clipped sums' accumulation dtype: what
+        non-private DDP all-reduces. ``S``: the same for the reduce-scatters of ``fully_shard`` parameters' sums
+        (one per backward pass, FSDP2's padded size; :mod:`fastdp.sharding`)."""
+        return {"all_reduce_bytes": self._release.bytes_reduced, "steps": self._release.steps,
+                "reduce_scatter_bytes": 0 if self._sharding is None else self._sharding.bytes_scattered}
 
     @property
     def noise_multiplier(self) -> float:

@@ -184,6 +184,10 @@ def exact_worker(rank: int, world: int, sizes: list[list[int]], style="all-layer
     got = full_grads(model)
     assert_grads_close(got, want, msg=f"rank {rank}/{world} sizes {sizes} {style} {fn} {mode}")
     assert engine.steps == 1
+    # one reduce-scatter of the padded sums per backward pass: FSDP2's bytes (float64 here), nothing per sample
+    padded = sum(world * -(-p.shape[0] // world) * p[0].numel() * 8 for n, p in model.named_parameters()
+                 if n in {sp.name for sp in engine._sharding.params.values()})
+    assert engine.communication["reduce_scatter_bytes"] == len(sizes) * padded
 
 
 EXACT_TWO = [
@@ -269,8 +273,25 @@ def noise_worker(rank: int, world: int, steps: int, sigma: float, R: float, B: i
     assert engine.steps == steps
 
 
+def secure_noise_worker(rank: int, world: int) -> None:
+    model = shard(build())
+    engine = make_engine(model, batch_size=2, R=1.0, sigma=1.0, verify_structure=False, secure_mode=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    draws = []
+    for _ in range(6):
+        engine.empty_step()
+        draws.append(torch.cat([g.flatten() for g in full_grads(model).values()]) * 2.0)
+    z = torch.stack(draws)
+    assert abs(float(z.std()) - 1.0) < 6 / math.sqrt(2 * z.numel()), float(z.std())
+
+
 def test_fsdp_noise_drawn_once_per_coordinate():
     spawn("noise_worker", 2, steps=16, sigma=1.7, R=0.8, B=4)
+
+
+def test_fsdp_secure_noise():
+    spawn("secure_noise_worker", 2)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -373,6 +394,25 @@ def refusal_worker(rank: int, world: int) -> None:
     m.blocks[1].scale = Scale()
     with pytest.raises(ShardingError, match=r"blocks\.1\.scale\.s"):
         engine_for(shard(m))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    m = nn.Sequential(nn.Linear(4, 4)).double()
+    fully_shard(m, mesh=init_device_mesh("cpu", (world,)), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    with pytest.raises(ShardingError, match=r"'0\.weight' has placements \(Shard\(dim=1\),\)"):
+        engine_for(m)
+    # a rank whose clipping fails (non-finite gradients): every rank raises, nothing is released, no hang
+    m = shard(build())
+    engine = engine_for(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    engine.attach(opt)
+    x, y = union_batch(4)
+    loss = ce_per_sample(m(split(x, [2, 2], rank)), split(y, [2, 2], rank)).mean()
+    with pytest.raises(RuntimeError, match="non-finite|NaN|rank\\(s\\) \\[1\\] failed"):
+        (loss * (float("nan") if rank == 1 else 1.0)).backward()
+    assert engine.steps == 0 and not engine._release.summed
+    engine.detach()
     # a sharded parameter used outside its module: refused in the backward pass, on every rank, never released
     torch.manual_seed(0)
     m = shard(TiedByFunction().double())
