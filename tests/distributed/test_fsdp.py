@@ -47,11 +47,11 @@ class Block(nn.Module):
 
 
 class Tiny(nn.Module):
-    def __init__(self, blocks: int = 2) -> None:
+    def __init__(self, blocks: int = 2, heads: int = H) -> None:
         super().__init__()
         self.emb = nn.Embedding(V, D)
         self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
-        self.head = nn.Linear(D, H)
+        self.head = nn.Linear(D, heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
@@ -71,7 +71,7 @@ class TiedTiny(Tiny):
 
 def build(seed: int = 0, variant: str = "default") -> nn.Module:
     torch.manual_seed(seed)
-    m = (TiedTiny() if variant == "tied" else Tiny()).double()
+    m = (TiedTiny() if variant == "tied" else Tiny(heads=4) if variant == "head4" else Tiny()).double()
     with torch.no_grad():  # non-trivial LayerNorm affine parameters
         for b in m.blocks:
             b.ln.weight.add_(0.3 * torch.randn(D, dtype=torch.float64))
@@ -162,9 +162,13 @@ def exact_worker(rank: int, world: int, sizes: list[list[int]], style="all-layer
     model = build(variant=variant)
     n = sum(sum(s) for s in sizes)
     x, y = union_batch(n)
+    y = y.clamp(max=model.head.out_features - 1)
     batch_size = max(n, 1)  # the expected batch (the divisor); the empty logical batch releases zeros at sigma 0
     R, want = _oracle(model, x, y, style, fn, where, batch_size)
-    shard(model, root=variant != "blocks-only")
+    # "head-sharded": the head, a hooked layer, is itself fully_shard-ed (FSDP unshards it after the engine's
+    # pre-hook ran); "head4" at N = 3: its 4 rows split 2, 2, 0 (a rank holds no row)
+    shard(model, blocks=[*model.blocks, model.head] if variant == "head-sharded" else None,
+          root=variant != "blocks-only")
     engine = make_engine(model, batch_size=batch_size, R=R, fn=fn, style=style, mode=mode, reduction=reduction,
                          verify_structure=False)
     sharded = sum(1 for n in want if not (variant == "blocks-only" and not n.startswith("blocks.")))
@@ -201,6 +205,7 @@ EXACT_TWO = [
     dict(sizes=[[2, 3]], mode="BK-MixGhostClip", where="below"),
     dict(sizes=[[3, 1]], variant="tied"),  # a weight shared by two modules of the root's FSDP unit
     dict(sizes=[[1, 3]], variant="blocks-only", style="layer-wise"),  # sharded and replicated parameters mixed
+    dict(sizes=[[2, 2], [1, 0]], variant="head-sharded"),
 ]
 
 
@@ -215,8 +220,8 @@ def test_fsdp_exact_two_ranks():
 
 
 def test_fsdp_exact_three_ranks():
-    """N = 3: a rank with an empty shard; a shard of one row (the head's 3 outputs)."""
-    spawn("exact_cases_worker", 3, cases=[dict(sizes=[[2, 0, 3]]), dict(sizes=[[1, 1, 0], [0, 2, 1]])])
+    """N = 3: a rank with an empty shard; shards of one row (the head's 3 outputs) and of none (4 outputs)."""
+    spawn("exact_cases_worker", 3, cases=[dict(sizes=[[2, 0, 3]]), dict(sizes=[[1, 1, 0], [0, 2, 1]], variant="head4")])
 
 
 def gpt2_worker(rank: int, world: int, sizes: list[int]) -> None:
