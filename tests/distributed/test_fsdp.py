@@ -9,6 +9,7 @@ distinct streams); checkpoints through ``torch.distributed.checkpoint`` resume b
 
 from __future__ import annotations
 
+import copy
 import datetime
 import math
 import os
@@ -106,6 +107,9 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every trainable parameter's released gradient, gathered (a collective: every rank calls it)."""
     out = {}
     for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, f"{n} is frozen but has a .grad"
+            continue
         assert p.grad is not None, f"{n}: no .grad after optimizer.step()"
         g = p.grad
         out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
@@ -164,17 +168,29 @@ def exact_worker(rank: int, world: int, sizes: list[list[int]], style="all-layer
     x, y = union_batch(n)
     y = y.clamp(max=model.head.out_features - 1)
     batch_size = max(n, 1)  # the expected batch (the divisor); the empty logical batch releases zeros at sigma 0
-    R, want = _oracle(model, x, y, style, fn, where, batch_size)
+    bitfit = variant == "bitfit"  # DP-BiTFiT: weights frozen after attach, engine.update_trainable()
+    if bitfit:
+        om = copy.deepcopy(model)
+        for name, p in om.named_parameters():
+            p.requires_grad_(name.endswith("bias"))
+        R, want = _oracle(om, x, y, style, fn, where, batch_size)
+    else:
+        R, want = _oracle(model, x, y, style, fn, where, batch_size)
     # "head-sharded": the head, a hooked layer, is itself fully_shard-ed (FSDP unshards it after the engine's
     # pre-hook ran); "head4" at N = 3: its 4 rows split 2, 2, 0 (a rank holds no row)
     shard(model, blocks=[*model.blocks, model.head] if variant == "head-sharded" else None,
           root=variant != "blocks-only")
     engine = make_engine(model, batch_size=batch_size, R=R, fn=fn, style=style, mode=mode, reduction=reduction,
                          verify_structure=False)
-    sharded = sum(1 for n in want if not (variant == "blocks-only" and not n.startswith("blocks.")))
-    assert engine._sharding is not None and len(engine._sharding.params) == sharded
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     engine.attach(opt)
+    if bitfit:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.endswith("bias"))
+        engine.update_trainable()
+    sharded = sum(1 for n in want if not (variant == "blocks-only" and not n.startswith("blocks.")))
+    engine._sharding.refresh()
+    assert engine._sharding is not None and len(engine._sharding.params) == sharded
     start = 0
     for pass_sizes in sizes:
         xs, ys = x[start:start + sum(pass_sizes)], y[start:start + sum(pass_sizes)]
@@ -206,6 +222,7 @@ EXACT_TWO = [
     dict(sizes=[[3, 1]], variant="tied"),  # a weight shared by two modules of the root's FSDP unit
     dict(sizes=[[1, 3]], variant="blocks-only", style="layer-wise"),  # sharded and replicated parameters mixed
     dict(sizes=[[2, 2], [1, 0]], variant="head-sharded"),
+    dict(sizes=[[3, 2]], variant="bitfit", style="layer-wise"),
 ]
 
 
@@ -245,6 +262,7 @@ def gpt2_worker(rank: int, world: int, sizes: list[int]) -> None:
     assert_grads_close(full_grads(model), want, msg=f"gpt2 rank {rank}")
 
 
+@pytest.mark.slow
 def test_fsdp_exact_gpt2():
     spawn("gpt2_worker", 2, sizes=[2, 1])
 
@@ -295,6 +313,7 @@ def test_fsdp_noise_drawn_once_per_coordinate():
     spawn("noise_worker", 2, steps=16, sigma=1.7, R=0.8, B=4)
 
 
+@pytest.mark.slow
 def test_fsdp_secure_noise():
     spawn("secure_noise_worker", 2)
 
