@@ -377,14 +377,8 @@ class Sharding:
                 "noise": self.noise.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        group = self.engine._group
-        if not isinstance(state, dict) or (state.get("world_size"), state.get("rank")) != (group.world_size,
-                                                                                            group.rank):
-            raise ValueError(
-                f"the sharded-noise state was saved by rank {state.get('rank') if isinstance(state, dict) else '?'} "
-                f"of {state.get('world_size') if isinstance(state, dict) else '?'}, but this engine is rank "
-                f"{group.rank} of {group.world_size}: load each rank's own engine state")
-        self.noise.load_state_dict(state.get("noise"))
+        """Apply a state checked by :func:`check_checkpoint_state`."""
+        self.noise.load_state_dict(state["noise"])
 
 
 def checkpoint_state(engine: Any) -> dict[str, Any] | None:
@@ -495,7 +489,6 @@ class ShardNoise:
         digest = hashlib.sha256(base.get_state().numpy().tobytes()
                                 + f"fastdp-shard-noise:{group.rank}".encode()).digest()
         self.seed = int.from_bytes(digest[:4], "little")  # CPU generators keep 32 bits of a seed
-        self.device = (engine.noise_generator.device if engine.noise_generator is not None else None)
         self._gens: dict[str, torch.Generator] = {}
         self._pending_state: Any = None
         if not engine.secure_mode:
@@ -519,16 +512,14 @@ class ShardNoise:
     def state_dict(self) -> dict[str, Any]:
         if len(self._gens) > 1:  # pragma: no cover - parameters on several devices of one rank
             raise RuntimeError("sharded parameters on several devices of one rank: not supported by checkpoints")
-        if not self._gens:
-            return {"seed": self.seed, "device": None, "state": None} if self._pending_state is None \
-                else dict(self._pending_state, seed=self.seed)
+        if not self._gens:  # no step yet since construction or a load: the stream has not moved
+            pending = self._pending_state or {"device": None, "state": None}
+            return {"seed": self.seed, **pending}
         key, gen = next(iter(self._gens.items()))
         return {"seed": self.seed, "device": key, "state": gen.get_state()}
 
-    def load_state_dict(self, state: Any) -> None:
-        if not isinstance(state, dict) or "state" not in state:
-            raise ValueError(f"the sharded-noise state {state!r} is not the dict saved by state_dict()")
-        self.seed = int(state.get("seed", self.seed))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
         self._gens.clear()
         self._pending_state = None if state["state"] is None else {"device": state["device"],
                                                                     "state": state["state"]}

@@ -363,6 +363,10 @@ def checkpoint_worker(rank: int, world: int, path: str) -> None:
     other = torch.load(os.path.join(path, f"engine{1 - rank}.pt"), weights_only=False)
     with pytest.raises(ValueError, match="rank"):
         engine2.load_state_dict(other)  # another rank's state: refused, naming the ranks
+    mine = torch.load(os.path.join(path, f"engine{rank}.pt"), weights_only=False)
+    with pytest.raises(ValueError, match="no shard noise state"):
+        engine2.load_state_dict({**mine, "sharded_noise": None})  # an unsharded engine's state: refused
+    assert engine2.steps == 0  # a failed load leaves the engine unchanged
     engine2.load_state_dict(torch.load(os.path.join(path, f"engine{rank}.pt"), weights_only=False))
     for k in range(2, 4):
         _ckpt_step(model2, opt2, rank, k)
