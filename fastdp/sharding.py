@@ -14,10 +14,12 @@ the optimizer hold). This module connects the two:
 * **Per-sample norms and the clipped sums** are computed from what each layer's call kept (its input and output
   gradient, full size on every rank) as on one process; the layer kinds read only the parameter's *shape* (the
   DTensor's global shape). The clipped sum ``S_p = sum_{i in this rank's samples} C_i g_i`` of every sharded
-  parameter is **reduce-scattered at the end of each backward pass** (:meth:`Sharding.reduce_scatter`), in flat
-  buckets in plan order with FSDP's dim-0 padding, so that rank ``r`` keeps only its rows of ``sum_ranks S_p``; the
-  full-size sums are freed bucket by bucket. The release stage accumulates the local rows over the backward passes
-  of a logical step (virtual batches).
+  parameter is **reduce-scattered at the end of each backward pass** (the all-layer style needs every norm first),
+  as soon as the clipping stage forms it (:class:`SumStream`), in flat buckets in plan order with FSDP's dim-0
+  padding, so that rank ``r`` keeps only its rows of ``sum_ranks S_p``; the full-size sums are freed bucket by
+  bucket. Before the first reduce-scatter the ranks agree (:meth:`Sharding.agree_pass`): if one rank's clipping
+  failed (non-finite gradients) every rank raises. The release stage accumulates the local rows over the backward
+  passes of a logical step (virtual batches).
 * **Noise** (:meth:`Sharding.release`): each rank draws the noise of its own rows only, once, from its own stream
   (:class:`ShardNoise`, derived from the engine's noise generator or the global RNG and the rank; restored by a
   checkpoint), and sets ``p.grad`` to a DTensor with ``p``'s mesh and placements:
@@ -31,7 +33,8 @@ of backward, when its parameters are sharded), DTensor parameters FSDP does not 
 only).
 
 Every rank must run the same number of backward passes per logical step (FSDP's own all-gathers require the same
-of the forward passes): a rank with an empty shard runs the forward and backward on its empty batch.
+of the forward passes): a rank with an empty shard runs the forward and backward on its empty batch. A rank that
+runs fewer makes the others' next collective fail after the process group's timeout (``CollectiveError``).
 
 Only public ``torch.distributed`` collectives and DTensor APIs are used, plus FSDP2's parameter map through
 :mod:`fastdp.torch_api`. It may touch: ``requires_grad`` of the unsharded parameters inside their module's call
