@@ -304,7 +304,9 @@ class Sharding:
         """
         group = self.engine._group
         leaked = [] if failed else self._leaked_gradients()
-        flag = torch.tensor([1.0 if failed or leaked else 0.0], dtype=torch.float64)
+        like = next(iter(self.params)).device if self.params else None
+        flag = torch.tensor([1.0 if failed or leaked else 0.0], dtype=torch.float64,
+                            device=group.header_device(like))  # NCCL: on the GPU
         flags = [torch.empty_like(flag) for _ in range(group.world_size)]
         group._run("agreement at the end of a backward pass (sharded clipped sums)",
                    lambda: torch.distributed.all_gather(flags, flag, group=group.pg))
