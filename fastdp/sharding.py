@@ -44,6 +44,7 @@ Only public ``torch.distributed`` collectives and DTensor APIs are used, plus FS
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -56,12 +57,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import torch_api
+from fastdp import distributed, torch_api
 from fastdp.clipped_sums import BackwardResult
 from fastdp.noise import noise_dtype, noisy_mean, secure_noisy_mean
 
 logger = logging.getLogger(__name__)
 
+#: slot 1 of the end-of-backward agreement's message (a step header's sample count there is never negative)
+_AGREE_MARK = -7.0
 #: bytes of full-size clipped sums reduce-scattered per collective (FSDP2 reduce-scatters one module at a time)
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -305,13 +308,24 @@ class Sharding:
         group = self.engine._group
         leaked = [] if failed else self._leaked_gradients()
         like = next(iter(self.params)).device if self.params else None
-        flag = torch.tensor([1.0 if failed or leaked else 0.0], dtype=torch.float64,
-                            device=group.header_device(like))  # NCCL: on the GPU
-        flags = [torch.empty_like(flag) for _ in range(group.world_size)]
+        # The message has the size of the release stage's step header, so that a rank already in optimizer.step()
+        # (it ran fewer backward passes) is told apart instead of a size mismatch in the collective: slot 0 reads
+        # as "refused" in a header, slot 1 (a header's sample count, never negative) marks this agreement.
+        msg = torch.zeros(len(dataclasses.fields(distributed.StepHeader)), dtype=torch.float64,
+                          device=group.header_device(like))  # NCCL: on the GPU
+        msg[0], msg[1], msg[2] = 1.0, _AGREE_MARK, float(failed or bool(leaked))
+        got = [torch.empty_like(msg) for _ in range(group.world_size)]
         group._run("agreement at the end of a backward pass (sharded clipped sums)",
-                   lambda: torch.distributed.all_gather(flags, flag, group=group.pg))
+                   lambda: torch.distributed.all_gather(got, msg, group=group.pg))
         self._watch_unsharded()
-        bad = [r for r, f in enumerate(flags) if float(f) != 0.0]
+        stepping = [r for r, v in enumerate(got) if float(v[1]) != _AGREE_MARK]
+        if stepping:
+            raise RuntimeError(
+                f"rank(s) {stepping} called optimizer.step() (or engine.empty_step()) while rank {group.rank} ended "
+                "a backward pass: under fully_shard every rank must run the same number of backward passes per "
+                "step (a rank with an empty shard runs the forward and backward on its empty batch). Nothing of "
+                "this step is released.")
+        bad = [r for r, v in enumerate(got) if float(v[2]) != 0.0]
         if failed:
             return
         if leaked:

@@ -455,3 +455,36 @@ def refusal_worker(rank: int, world: int) -> None:
 
 def test_fsdp_refusals():
     spawn("refusal_worker", 2)
+
+
+def skipped_backward_worker(rank: int, world: int) -> None:
+    """Rank 1 skips its backward pass. With FSDP's backward all-gathers (the default reshard_after_forward=True)
+    that is a mismatch of FSDP's own collectives (gloo aborts); without them, the engine tells the ranks apart:
+    rank 0 raises naming rank 1, rank 1's step fails once rank 0 is gone. Nothing is released on either."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fastdp.distributed import CollectiveError
+
+    m = build()
+    mesh = init_device_mesh("cpu", (world,))
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=False)
+    fully_shard(m, mesh=mesh, reshard_after_forward=False)
+    engine = make_engine(m, batch_size=4, verify_structure=False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    engine.attach(opt)
+    x, y = union_batch(4)
+    loss = ce_per_sample(m(split(x, [2, 2], rank)), split(y, [2, 2], rank)).mean()
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] called optimizer.step\(\)"):
+            loss.backward()
+    else:
+        with pytest.raises(CollectiveError):
+            opt.step()
+    assert engine.steps == 0 and all(p.grad is None for p in m.parameters())
+    os._exit(0)  # the ranks' collectives no longer match: leave without the harness's barrier
+
+
+def test_fsdp_rank_skipping_backward():
+    spawn("skipped_backward_worker", 2)
