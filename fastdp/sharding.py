@@ -34,8 +34,9 @@ only).
 
 Every rank must run the same number of backward passes per logical step (FSDP's own all-gathers require the same
 of the forward passes): a rank with an empty shard runs the forward and backward on its empty batch. A rank that
-runs fewer is a collective mismatch, as under non-private FSDP2 (gloo aborts the processes; other backends fail at
-the process group's timeout); nothing of the step is released.
+runs fewer is a mismatch of FSDP's own collectives when FSDP all-gathers in the backward pass (the default), as under
+non-private FSDP2 (gloo aborts; other backends fail at the process group's timeout); otherwise the end-of-backward
+agreement names the rank already in ``optimizer.step()``. Nothing of the step is released.
 
 Only public ``torch.distributed`` collectives and DTensor APIs are used, plus FSDP2's parameter map through
 :mod:`fastdp.torch_api`. It may touch: ``requires_grad`` of the unsharded parameters inside their module's call
