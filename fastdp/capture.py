@@ -61,6 +61,8 @@ class CallFrame:
     generators' state at the call's start and its verified expansion (``None``: the call is replayed)."""
 
     detached: list[nn.Parameter] = field(default_factory=list)
+    #: sharded parameters (fully_shard) of the call, whose unsharded parameters are restored at its end
+    sharded: list[nn.Parameter] = field(default_factory=list)
     rng: Any = None
     expansion: expand.ExpandedCall | None = None
 
@@ -178,6 +180,9 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles = []
+        sharding = getattr(self.engine, "_sharding", None)
+        if sharding is not None:
+            sharding.forget_hooks()
         self.restore_params()
 
     def clear(self) -> None:
@@ -210,10 +215,16 @@ class Capture:
             names = [n for n, p in self.plan.trainable.items() if any(p is q for q in params)]
             raise RuntimeError(checkpointing.reentrant_message(entry.label if entry else "?",
                                                                type(module).__name__, names))
+        sharding = getattr(self.engine, "_sharding", None)
         for p in params:
             if p.requires_grad:
-                set_requires_grad(p, False)
-                frame.detached.append(p)
+                # a sharded parameter (fully_shard): the unsharded one the forward reads too (fastdp.sharding)
+                targets = [p] if sharding is None else sharding.detach_targets(p, self._outside_use, self._handles)
+                for t in targets:
+                    set_requires_grad(t, False)
+                    frame.detached.append(t)
+                if sharding is not None and sharding.is_sharded(p):
+                    frame.sharded.append(p)
         return frame
 
     def end_call(self) -> CallFrame | None:
@@ -223,6 +234,9 @@ class Capture:
         frame = self.calls.pop()
         for p in frame.detached:
             set_requires_grad(p, True)
+        if frame.sharded:  # unsharded parameters FSDP made during the call (it copied the sharded flag, False)
+            for t in self.engine._sharding.unsharded_of(frame.sharded):
+                set_requires_grad(t, True)
         return frame
 
     def restore_params(self) -> None:
@@ -354,9 +368,19 @@ class Capture:
         done = [r for r in self.pending if r.reached]
         self.pending = [r for r in self.pending if not r.reached]
         cfg: ClipConfig = self.engine.clip_config
+        sharding = getattr(self.engine, "_sharding", None)
         try:
-            with self.inert_hooks():  # GhostClip's and the generic path's replays call the modules again
-                result = clipped_sums(done, self.plan.param_of, cfg)
+            # fully_shard: each sharded sum is reduce-scattered to this rank's rows as it is formed
+            stream = None if sharding is None else sharding.stream(done, self.plan.param_of)
+            try:
+                with self.inert_hooks():  # GhostClip's and the generic path's replays call the modules again
+                    result = clipped_sums(done, self.plan.param_of, cfg, stream)
+            except BaseException:
+                if stream is not None:
+                    stream.fail()  # tell the other ranks, which raise too
+                raise
+            if stream is not None:
+                result = stream.finish(result)
         except BaseException as e:
             self.pending.extend(done)
             self.drop_forwards({r.forward for r in done}, f"the end-of-backward clipping raised {type(e).__name__}")

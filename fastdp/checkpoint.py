@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastdp import accounting
+from fastdp import accounting, sharding
 from fastdp.sampling_check import SampleRateMonitor
 
 #: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier;
@@ -43,7 +43,8 @@ def state_dict(engine: Any) -> dict[str, Any]:
             "noise_multiplier_now": rel.sigma, "accountant": rel.accountant.state_dict(),
             "noise_generator": None if gen is None else gen.get_state(),
             "config": privacy_config(engine), "sampling": rel.sampling.state_dict(),
-            "nonfinite_samples": rel.nonfinite_samples, "world_size": engine.world_size, "rank": engine.rank}
+            "nonfinite_samples": rel.nonfinite_samples, "world_size": engine.world_size, "rank": engine.rank,
+            "sharded_noise": sharding.checkpoint_state(engine)}
 
 
 def _count(state: dict[str, Any], key: str, default: Any = None) -> int:
@@ -112,7 +113,9 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
     if gen is not None and engine.noise_generator is None:
         raise ValueError("the saved state has a noise generator state; build the engine with "
                          "noise_generator=torch.Generator(...) to resume the same noise stream")
+    apply_sharded = sharding.check_checkpoint_state(engine, state.get("sharded_noise"))
     # all checked: apply
+    apply_sharded()
     if gen is not None:
         engine.noise_generator.set_state(gen)
     rel.accountant.load_state_dict(trial.state_dict())

@@ -84,13 +84,18 @@ def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str
 
 
 def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
-                 cfg: ClipConfig) -> BackwardResult:
+                 cfg: ClipConfig, stream: Any = None) -> BackwardResult:
     """``sum_i C_i g_i`` per parameter for one backward pass (see the module docstring).
 
     Args:
         records: the calls whose output gradients arrived in this backward pass.
         param_of: ``(id(module), attribute name) -> parameter``.
         cfg: clipping mode, function, per-group thresholds and groups, loss reduction, non-finite policy.
+        stream: optional consumer of the sums as they are formed (:mod:`fastdp.sharding` reduce-scatters a sharded
+            parameter's sum at once, so full-size sums do not pile up): ``stream.begin()`` is called once the
+            norms and factors are computed (nothing can fail for non-finite gradients after it), then
+            ``stream.take(param, sum)`` for each parameter's finished sum; a sum it takes (returns True) is not
+            in the result.
 
     Returns:
         the clipped sums (parameter -> tensor of ``param.shape``, in at least float32) and the batch size.
@@ -101,7 +106,7 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
     if not records:
         return BackwardResult({}, 0)
     try:
-        return _clipped_sums(records, param_of, cfg)
+        return _clipped_sums(records, param_of, cfg, stream)
     finally:
         for rec in records:
             rec.ctx = None
@@ -126,7 +131,7 @@ def _sanitize(rec: Record, bad: torch.Tensor) -> None:
 
 
 def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
-                  cfg: ClipConfig) -> BackwardResult:
+                  cfg: ClipConfig, stream: Any = None) -> BackwardResult:
     B = batch_size_of(records)
     scale = float(B) if cfg.mean_reduction else 1.0
     mode = cfg.mode
@@ -183,7 +188,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
                     "on_nonfinite='zero' to give such samples clipping factor 0 (still private).")
             for rec in records:
                 _sanitize(rec, bad)
-            result = _clipped_sums(records, param_of, cfg)
+            result = _clipped_sums(records, param_of, cfg, stream)
             return BackwardResult(result.sums, result.batch_size, len(idx), result.norms)
     coefs: dict[int, torch.Tensor] = {}
     for k, sq in group_sq.items():
@@ -191,18 +196,23 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         coefs[k] = cfg.clip_fn(norms, cfg.thresholds[k]) * scale
 
     # Step 3: clipped sums.
+    if stream is not None:
+        stream.begin()
     out: dict[nn.Parameter, torch.Tensor] = {}
     replay: dict[Record, list[str]] = {}
     for param, plist in uses.items():
         coef = coefs[cfg.group_of[param]]
         if param in kept:
-            out[param] = _weighted_sum(coef, kept[param])
+            out[param] = _weighted_sum(coef, kept.pop(param))
         elif mode.sums == "replay":
             for rec, name in plist:
                 replay.setdefault(rec, []).append(name)
+            continue
         else:  # book-keeping: one contraction per use, summed over uses
             for rec, name in plist:
                 _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, coef))
+        if stream is not None and stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
+            del out[param]
     for rec, names in replay.items():
         by_group: dict[int, list[str]] = {}
         for n in names:
@@ -210,4 +220,9 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         for k, group_names in by_group.items():
             for n, g in _replay_grads(rec, group_names, coefs[k]).items():
                 _add(out, param_of[(id(rec.module), n)], g)
+    if stream is not None and replay:
+        replayed = {param_of[(id(rec.module), n)] for rec, names in replay.items() for n in names}
+        for param in [q for q in out if q in replayed]:
+            if stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
+                del out[param]
     return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how)

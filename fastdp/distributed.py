@@ -66,18 +66,6 @@ def refuse_wrapped(model: nn.Module) -> None:
         wrappers.append(FullyShardedDataParallel)
     except ImportError:  # pragma: no cover - torch built without distributed
         pass
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        FSDPModule = None  # noqa: N806
-    if FSDPModule is not None:
-        sharded = [n or "<root>" for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-        if sharded:
-            raise ValueError(
-                f"modules {sharded[:5]} are sharded with torch.distributed.fsdp.fully_shard (FSDP2), which the "
-                "PrivacyEngine does not support yet: FSDP2 swaps the parameters the engine clips between their "
-                "sharded and unsharded forms. Train data-parallel instead: the unsharded model on every rank, "
-                "the engine all-reducing the clipped sums (docs/guide/distributed.md).")
     for w in wrappers:
         if isinstance(model, w):
             raise ValueError(

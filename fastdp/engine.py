@@ -46,6 +46,7 @@ from fastdp.config import default_delta
 from fastdp.plan import Plan, build_plan
 from fastdp.probe import StructureError
 from fastdp.release import ATTACHED, PrivacyBudgetExceeded, Release, check_optimizer, register_other_step_hook
+from fastdp.sharding import Sharding, is_fully_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class PrivacyEngine:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         fdist.refuse_wrapped(model)
         self._group = fdist.Group.resolve(distributed, process_group)
+        self._sharding: Sharding | None = None  # fully_shard (FSDP2) parameters (fastdp.sharding): set below
         s = config.check(batch_size=batch_size, sample_size=sample_size, epochs=epochs, steps=steps,
                          noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
                          max_grad_norm=max_grad_norm, clipping_fn=clipping_fn, clipping_style=clipping_style,
@@ -186,6 +188,8 @@ class PrivacyEngine:
             n = self._group.broadcast_module(model)
             logger.info("data-parallel over %d ranks (rank %d, backend %s): rank 0's %d parameters and buffers "
                         "broadcast", self._group.world_size, self._group.rank, self._group.backend, n)
+        if is_fully_sharded(model):
+            self._sharding = Sharding(self)
         self._config_locked = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -215,10 +219,13 @@ class PrivacyEngine:
 
     @property
     def communication(self) -> dict[str, int]:
-        """``{"all_reduce_bytes": B, "steps": n}``: the bytes this rank put into the all-reduces of clipped sums
-        over ``n`` released steps (the flat buffers' size; 0 on one process). The per-step figure equals the
-        trainable parameters' size in the clipped sums' accumulation dtype: what non-private DDP all-reduces."""
-        return {"all_reduce_bytes": self._release.bytes_reduced, "steps": self._release.steps}
+        """``{"all_reduce_bytes": B, "steps": n, "reduce_scatter_bytes": S}``: the bytes this rank put into the
+        all-reduces of clipped sums over ``n`` released steps (the flat buffers' size; 0 on one process). The
+        per-step figure equals the trainable parameters' size in the clipped sums' accumulation dtype: what
+        non-private DDP all-reduces. ``S``: the same for the reduce-scatters of ``fully_shard`` parameters' sums
+        (one per backward pass, FSDP2's padded size; :mod:`fastdp.sharding`)."""
+        return {"all_reduce_bytes": self._release.bytes_reduced, "steps": self._release.steps,
+                "reduce_scatter_bytes": 0 if self._sharding is None else self._sharding.bytes_scattered}
 
     @property
     def noise_multiplier(self) -> float:

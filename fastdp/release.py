@@ -264,12 +264,15 @@ class Release:
                 if s is not None:
                     flat[off:off + p.numel()].add_(s.reshape(-1).to(flat.dtype))
 
-        params = list(eng.plan.trainable.values())
+        sharding = eng._sharding  # fully_shard: reduce-scattered in backward (fastdp.sharding), noised per rank
+        params = [p for p in eng.plan.trainable.values() if sharding is None or not sharding.is_sharded(p)]
         try:
             reduced, sent = group.all_reduce_sum(params, noise_dtype, fill)
         except distributed.CollectiveError:
             self.discard()
             raise
+        if sharding is not None:
+            sharding.release(sums, std, eng.batch_size)
         sums.clear()
         for p in params:
             p.grad = reduced.pop(p).div(eng.batch_size).to(p.dtype)

@@ -76,5 +76,27 @@ def set_requires_grad(param: torch.Tensor, flag: bool) -> None:
     param.requires_grad_(flag)
 
 
-__all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "is_batchnorm", "queue_engine_callback",
-           "set_parameter_slot", "set_requires_grad", "tree_flatten", "tree_map", "tree_unflatten"]
+def fsdp_params(module: nn.Module) -> list[Any]:
+    """The ``FSDPParam`` s that ``fully_shard(module)`` manages (empty if it manages none).
+
+    Private (FSDP2's state and parameter group): FSDP2 has no public map from a sharded parameter to the unsharded
+    parameter that the module's forward actually reads. fastdp needs it for ghost differentiation, which must turn
+    off ``requires_grad`` of the tensor the forward uses (:mod:`fastdp.sharding`).
+    """
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [] if group is None else list(group.fsdp_params)
+
+
+def fsdp_unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
+    """The unsharded parameter of an ``FSDPParam`` (the tensor its module's forward reads between FSDP's all-gather
+    and reshard), or ``None`` before its first all-gather.
+
+    Private (``FSDPParam._unsharded_param``): created once at the first all-gather and reused afterwards (its storage
+    is freed and refilled); see :func:`fsdp_params`.
+    """
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+__all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
+           "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
+           "tree_map", "tree_unflatten"]
