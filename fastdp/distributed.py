@@ -99,6 +99,30 @@ class StepHeader:
         return cls(bool(v[0]), int(v[1]), bool(v[2]), int(v[3]), float(v[4]), int(v[5]), int(v[6]))
 
 
+def describe_differences(per_rank: Sequence[Sequence[Any]], limit: int = 5) -> str:
+    """Each rank's items that rank 0 lacks and rank 0's items it lacks, at most ``limit`` of each (lists of
+    names or tuples can be long: only the difference is named)."""
+    base = set(map(_hashable, per_rank[0]))
+    parts = []
+    for r, items in enumerate(per_rank[1:], start=1):
+        mine = set(map(_hashable, items))
+        extra, missing = sorted(mine - base, key=repr), sorted(base - mine, key=repr)
+        if extra or missing:
+            parts.append(f"rank {r} has {_some(extra, limit)} that rank 0 has not, and lacks "
+                         f"{_some(missing, limit)} of rank 0's")
+    return "; ".join(parts) or "the same items in another order"
+
+
+def _some(xs: list[Any], limit: int) -> str:
+    if not xs:
+        return "nothing"
+    return f"{xs[:limit]}" + (f" and {len(xs) - limit} more" if len(xs) > limit else "")
+
+
+def _hashable(x: Any) -> Any:
+    return tuple(_hashable(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
 def text_fingerprint(text: str) -> int:
     """crc32 of ``text`` (32 bits: exact in a float64)."""
     return zlib.crc32(text.encode())
@@ -182,7 +206,8 @@ class Group:
         diff = {k: [d.get(k) for d in everyone] for k in what if any(d.get(k) != everyone[0].get(k)
                                                                      for d in everyone)}
         if diff:
-            detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals))
+            detail = "; ".join(f"{k}: " + (describe_differences(vals) if all(isinstance(v, list) for v in vals)
+                                           else ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals)))
                                for k, vals in list(diff.items())[:6])
             raise ValueError(
                 f"the ranks disagree on the PrivacyEngine's configuration or trainable set ({detail}): every rank "
@@ -266,4 +291,5 @@ def _buckets(params: Sequence[nn.Parameter], dtype_of: Callable[[nn.Parameter], 
     return out
 
 
-__all__ = ["BUCKET_BYTES", "CollectiveError", "Group", "StepHeader", "available", "fingerprint", "refuse_wrapped"]
+__all__ = ["BUCKET_BYTES", "CollectiveError", "Group", "StepHeader", "available", "describe_differences", "fingerprint",
+           "refuse_wrapped"]

@@ -373,13 +373,18 @@ class PrivacyEngine:
         """
         if self.optimizer is None:
             raise RuntimeError("empty_step() needs an attached optimizer")
-        if self._release.holds_gradients():
-            raise RuntimeError("empty_step() after a backward pass: the batch is not empty; call optimizer.step()")
-        self._release.empty_step = True
+        rel = self._release
+        if rel.holds_gradients():
+            msg = "empty_step() after a backward pass: the batch is not empty; call optimizer.step()"
+            if self._group is None:
+                raise RuntimeError(msg)
+            rel.refusal = msg  # several ranks: refused through the step's agreement, so every rank raises at once
+        rel.empty_step = True
         try:
             self.optimizer.step()
         finally:
-            self._release.empty_step = False
+            rel.empty_step = False
+            rel.refusal = None
 
     def set_noise_multiplier(self, noise_multiplier: float) -> None:
         """Change ``sigma`` from the next step on; the accountant records each step with the sigma it used.

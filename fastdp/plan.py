@@ -95,6 +95,18 @@ class Plan:
         return "\n".join(lines)
 
 
+def trainable_change(model: nn.Module, plan: Plan) -> str | None:
+    """``None`` if ``model``'s parameters with ``requires_grad`` are ``plan``'s trainable set; else what changed."""
+    now = {n for n, p in model.named_parameters() if p.requires_grad}
+    if now == set(plan.trainable):
+        return None
+    frozen = sorted(set(plan.trainable) - now)
+    unfrozen = sorted(now - set(plan.trainable))
+    return ("the model's trainable parameters changed since the engine read them "
+            f"(frozen: {frozen[:5]}{'...' if len(frozen) > 5 else ''}, "
+            f"unfrozen: {unfrozen[:5]}{'...' if len(unfrozen) > 5 else ''})")
+
+
 def _refuse(label: str, module: nn.Module, params: list[str], reason: str) -> ValueError:
     return ValueError(f"module {label!r} ({type(module).__name__}) with trainable parameters {params} cannot be "
                       f"trained privately: {reason}")

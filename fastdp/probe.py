@@ -100,6 +100,7 @@ from fastdp.clipped_sums import ClipConfig, clipped_sums
 from fastdp.layers import generic, layout
 from fastdp.layers.base import autocast_state
 from fastdp.layers.generic import GENERIC
+from fastdp.plan import trainable_change
 from fastdp.torch_api import TorchFunctionMode, tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
@@ -268,6 +269,10 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     if sig in engine._capture.probe.seen:
         engine._capture.owner_layouts.start(sig)  # the generic owners' layouts learned for this signature
         return
+    changed = trainable_change(model, engine.plan)  # the probe's passes would fail with a misleading error
+    if changed is not None:
+        raise RuntimeError(f"{changed}. Call engine.update_trainable() after freezing or unfreezing parameters, "
+                           "before the next forward pass.")
     t0 = time.perf_counter()
     flat = tree_flatten((args, kwargs))[0]
     devices = sorted({x.device for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cuda"},

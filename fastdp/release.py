@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fastdp import accounting, distributed
 from fastdp.clipped_sums import BackwardResult
 from fastdp.noise import noise_dtype, noisy_mean, secure_gaussian, secure_noisy_mean
+from fastdp.plan import trainable_change
 from fastdp.sampling_check import SampleRateMonitor
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Release:
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
         self.empty_step = False  # an `engine.empty_step()` is running
+        self.refusal: str | None = None  # a refusal decided before the step (several ranks: agreed in the step)
         self.bytes_reduced = 0  # bytes this rank put into all-reduces of clipped sums (several ranks)
         self._fp_cache: tuple[Any, int] | None = None  # (plan, fingerprint of its trainable set)
 
@@ -171,6 +173,9 @@ class Release:
     def _local_checks(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """This process's checks of the step (raise before anything is released)."""
         eng = self.engine
+        if self.refusal is not None:
+            self.discard()
+            raise RuntimeError(self.refusal)
         # `args` starts with the optimizer itself (torch passes step's full positional arguments).
         if len(args) > 1 or kwargs.get("closure") is not None:
             raise RuntimeError("optimizer.step(closure) is not supported under a PrivacyEngine: call "
@@ -231,6 +236,11 @@ class Release:
             vals = [getattr(h, attr) for h in heads]
             if any(v != vals[0] for v in vals):
                 self.discard()
+                if attr == "trainable":  # every rank sees the mismatch, so every rank joins this exchange
+                    names = group.gather_objects(sorted(self.engine.plan.trainable), "exchange of trainable sets")
+                    raise RuntimeError(
+                        f"step {self.step_number} refused on every rank: the ranks disagree on the {what}: "
+                        f"{distributed.describe_differences(names)}; nothing was released")
                 raise RuntimeError(
                     f"step {self.step_number} refused on every rank: the ranks disagree on the {what}: "
                     + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(vals)) + "; nothing was released")
@@ -310,18 +320,12 @@ class Release:
         self.budget_verified = nxt
 
     def _check_trainable_unchanged(self) -> None:
-        eng = self.engine
-        now = {n for n, p in eng.model.named_parameters() if p.requires_grad}
-        if now != set(eng.plan.trainable):
-            frozen = sorted(set(eng.plan.trainable) - now)
-            unfrozen = sorted(now - set(eng.plan.trainable))
+        msg = trainable_change(self.engine.model, self.engine.plan)
+        if msg is not None:
             self.discard()  # this step's sums belong to a stale trainable set: dropped (nothing is released)
-            raise RuntimeError(
-                "the model's trainable parameters changed since the engine read them "
-                f"(frozen: {frozen[:5]}{'...' if len(frozen) > 5 else ''}, "
-                f"unfrozen: {unfrozen[:5]}{'...' if len(unfrozen) > 5 else ''}); nothing was released and this "
-                "step's gradients were discarded. Call engine.update_trainable() after freezing or unfreezing "
-                "parameters, before the next backward pass.")
+            raise RuntimeError(f"{msg}; nothing was released and this step's gradients were discarded. Call "
+                               "engine.update_trainable() after freezing or unfreezing parameters, before the next "
+                               "backward pass.")
 
     # ------------------------------------------------------------------ other optimizers
     def other_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

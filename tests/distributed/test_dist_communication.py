@@ -27,7 +27,8 @@ def test_one_all_reduce_of_the_parameters_and_a_fixed_header():
             assert sum(c["all_reduce"]) == one["param_bytes"], (
                 f"rank {r} {label}: all-reduced {sum(c['all_reduce'])} bytes, the trainable parameters are "
                 f"{one['param_bytes']}")
-            assert one["engine"] == {"all_reduce_bytes": one["param_bytes"], "steps": 1}, one["engine"]
+            assert one["engine"] == {"all_reduce_bytes": one["param_bytes"], "steps": 1, "reduce_scatter_bytes": 0}, \
+            one["engine"]
             assert len(c.get("all_gather", [])) == 1 and sum(c["all_gather"]) <= 256, (
                 f"rank {r} {label}: header traffic {c.get('all_gather')}")
         assert small["counted"] == big["counted"], (

@@ -261,3 +261,24 @@ def test_update_trainable_without_change_is_harmless():
     engine.update_trainable()
     engine_step(model, opt, loss, d, "mean")
     assert_grads_close(released_grads(model, trainable_names(model)), want, atol=atol)
+
+
+def test_freeze_before_the_first_forward_names_the_change_not_the_probe():
+    """A parameter frozen after attach, before the first forward (the structure probe's first run): the forward
+    raises the trainable-set error naming the parameter and update_trainable(), not a StructureError; after
+    update_trainable() training goes on."""
+    import fastdp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    engine = fastdp.PrivacyEngine(model, batch_size=4, sample_size=40, noise_multiplier=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"frozen: \['0.weight'\].*update_trainable") as err:
+        model(torch.randn(4, 4)).sum().backward()
+    assert not isinstance(err.value, fastdp.StructureError)
+    engine.update_trainable()
+    model(torch.randn(4, 4)).sum().backward()
+    opt.step()
+    assert engine.steps == 1 and model[0].weight.grad is None
