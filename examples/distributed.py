@@ -62,16 +62,19 @@ def make_model() -> torch.nn.Module:
     return BertForSequenceClassification(cfg)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--epsilon", type=float, default=3.0)
     ap.add_argument("--batch-size", type=int, default=512, help="global expected logical batch size")
     ap.add_argument("--physical", type=int, default=64, help="largest micro-batch per rank")
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--quick", action="store_true", help="a few steps on a subset")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def setup() -> tuple[int, int, torch.device]:
+    """``init_process_group`` (NCCL with one GPU per process, else gloo); returns rank, world size, device."""
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,7 +83,12 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return rank, world, device
 
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    rank, world, device = setup()
     n_train = 600 if args.quick else 20000
     x_train, y_train = make_data(n_train, seed=1)
     x_test, y_test = make_data(1000, seed=2)

@@ -24,9 +24,7 @@ Rank 0 prints the table: epsilon, sigma, steps, test accuracy, time, and the MB 
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ import fastdp
 from fastdp.data import DistributedPoissonSampler, VirtualBatches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import make_data, make_model  # noqa: E402  (the data-parallel example's model and data)
+from distributed import make_data, make_model, parse_args, setup  # noqa: E402  (the data-parallel example's)
 
 
 def micro_batches(batch: tuple[torch.Tensor, torch.Tensor], physical: int, device: torch.device) -> list:
@@ -57,24 +55,8 @@ def micro_batches(batch: tuple[torch.Tensor, torch.Tensor], physical: int, devic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=float, default=2.0)
-    ap.add_argument("--epsilon", type=float, default=3.0)
-    ap.add_argument("--batch-size", type=int, default=512, help="global expected logical batch size")
-    ap.add_argument("--physical", type=int, default=64, help="largest micro-batch per rank")
-    ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--quick", action="store_true", help="a few steps on a subset")
-    args = ap.parse_args()
-
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
+    args = parse_args(__doc__.splitlines()[0])
+    rank, world, device = setup()
     n_train = 600 if args.quick else 20000
     x_train, y_train = make_data(n_train, seed=1)
     x_test, y_test = make_data(1000, seed=2)

@@ -48,6 +48,20 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _check_generator(generator: Any, secure_mode: bool) -> None:
+    """A sampler's ``generator``: ``None``, or a CPU ``torch.Generator`` without ``secure_mode``."""
+    if generator is None:
+        return
+    if secure_mode:
+        raise ValueError("secure_mode=True draws every batch from the OS CSPRNG and refuses a seeded "
+                         "generator (a known seed makes the batches predictable); pass generator=None")
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != "cpu":
+        raise ValueError(f"generator is on device {generator.device}; the sampler draws on CPU: "
+                         "use torch.Generator() (CPU)")
+
+
 def _resolve_rate(sample_size: int, sample_rate: float | None, batch_size: int | None) -> float:
     """``q`` from exactly one of ``sample_rate`` and ``batch_size`` (``q = batch_size / sample_size``)."""
     if (sample_rate is None) == (batch_size is None):
@@ -97,15 +111,7 @@ class PoissonSampler(Sampler[list[int]]):
         self.sample_size = _check_positive_int("sample_size", sample_size)
         self.sample_rate = _resolve_rate(self.sample_size, sample_rate, batch_size)
         self.steps = max(1, round(1.0 / self.sample_rate)) if steps is None else _check_positive_int("steps", steps)
-        if generator is not None:
-            if secure_mode:
-                raise ValueError("secure_mode=True draws every batch from the OS CSPRNG and refuses a seeded "
-                                 "generator (a known seed makes the batches predictable); pass generator=None")
-            if not isinstance(generator, torch.Generator):
-                raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-            if generator.device.type != "cpu":
-                raise ValueError(f"generator is on device {generator.device}; the sampler draws on CPU: "
-                                 "use torch.Generator() (CPU)")
+        _check_generator(generator, secure_mode)
         self.generator = generator
         self.secure_mode = bool(secure_mode)
 

@@ -123,20 +123,12 @@ class DistributedPoissonSampler(Sampler[list[int]]):
                  steps: int | None = None, generator: torch.Generator | None = None, secure_mode: bool = False, *,
                  rank: int | None = None, world_size: int | None = None, process_group: Any = None,
                  verify: bool = True) -> None:
-        from fastdp.data import _check_positive_int, _resolve_rate  # fastdp.data imports this module
+        from fastdp.data import _check_generator, _check_positive_int, _resolve_rate  # fastdp.data imports this
 
         self.sample_size = _check_positive_int("sample_size", sample_size)
         self.sample_rate = _resolve_rate(self.sample_size, sample_rate, batch_size)
         self.steps = max(1, round(1.0 / self.sample_rate)) if steps is None else _check_positive_int("steps", steps)
-        if generator is not None:
-            if secure_mode:
-                raise ValueError("secure_mode=True draws every batch from the OS CSPRNG and refuses a seeded "
-                                 "generator (a known seed makes the batches predictable); pass generator=None")
-            if not isinstance(generator, torch.Generator):
-                raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-            if generator.device.type != "cpu":
-                raise ValueError(f"generator is on device {generator.device}; the sampler draws on CPU: "
-                                 "use torch.Generator() (CPU)")
+        _check_generator(generator, secure_mode)
         self.generator = generator
         self.secure_mode = bool(secure_mode)
         self.rank, self.world_size, from_dist = _resolve_rank(rank, world_size, process_group)

@@ -272,24 +272,30 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
-def _buckets(params: Sequence[nn.Parameter], dtype_of: Callable[[nn.Parameter], torch.dtype],
-             cap: int) -> list[list[nn.Parameter]]:
-    """Consecutive runs of ``params`` with one (dtype, device), each at most ``cap`` bytes (a larger tensor is a
-    bucket of its own)."""
-    out: list[list[nn.Parameter]] = []
-    key: tuple[Any, ...] | None = None
+def bucket_runs(items: Sequence[T], key_of: Callable[[T], Any], nbytes_of: Callable[[T], int],
+                cap: int) -> list[list[T]]:
+    """Consecutive runs of ``items`` with one ``key_of`` (dtype, device, ...), each at most ``cap`` bytes by
+    ``nbytes_of`` (a larger item is a run of its own)."""
+    out: list[list[T]] = []
+    key: Any = None
     size = 0
-    for p in params:
-        k = (dtype_of(p), p.device)
-        nbytes = p.numel() * torch.empty((), dtype=k[0]).element_size()
+    for it in items:
+        k, nbytes = key_of(it), nbytes_of(it)
         if not out or k != key or size + nbytes > cap:
-            out.append([p])
+            out.append([it])
             key, size = k, nbytes
         else:
-            out[-1].append(p)
+            out[-1].append(it)
             size += nbytes
     return out
 
 
-__all__ = ["BUCKET_BYTES", "CollectiveError", "Group", "StepHeader", "available", "describe_differences", "fingerprint",
-           "refuse_wrapped"]
+def _buckets(params: Sequence[nn.Parameter], dtype_of: Callable[[nn.Parameter], torch.dtype],
+             cap: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` with one (dtype, device), each at most ``cap`` bytes."""
+    return bucket_runs(params, lambda p: (dtype_of(p), p.device),
+                       lambda p: p.numel() * torch.empty((), dtype=dtype_of(p)).element_size(), cap)
+
+
+__all__ = ["BUCKET_BYTES", "CollectiveError", "Group", "StepHeader", "available", "bucket_runs", "describe_differences",
+           "fingerprint", "refuse_wrapped"]

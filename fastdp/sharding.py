@@ -549,20 +549,10 @@ class ShardNoise:
 def _buckets(order: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype],
              cap: int) -> list[list[ShardedParam]]:
     """Consecutive runs of ``order`` with one (dtype, device, group), each at most ``cap`` bytes of padded sums."""
-    out: list[list[ShardedParam]] = []
-    key: Any = None
-    size = 0
-    for sp in order:
-        dt = dtype_of(sp)
-        k = (dt, sp.param.device, id(sp.group))
-        nbytes = sp.world * sp.chunk * sp.row_numel * torch.empty((), dtype=dt).element_size()
-        if not out or k != key or size + nbytes > cap:
-            out.append([sp])
-            key, size = k, nbytes
-        else:
-            out[-1].append(sp)
-            size += nbytes
-    return out
+    def nbytes(sp: ShardedParam) -> int:
+        return sp.world * sp.chunk * sp.row_numel * torch.empty((), dtype=dtype_of(sp)).element_size()
+
+    return distributed.bucket_runs(order, lambda sp: (dtype_of(sp), sp.param.device, id(sp.group)), nbytes, cap)
 
 
 __all__ = ["BUCKET_BYTES", "ShardNoise", "ShardedParam", "Sharding", "ShardingError", "SumStream",

@@ -242,3 +242,53 @@ def run_update_both(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
     take_step(engine, opt, model, spec, ctx.rank, shard_batches(spec)[ctx.rank])
     return {"grads": released_grads(model, names), "params": params_of(model), "world_size": engine.world_size,
             "rank": engine.rank, "steps": engine.steps}
+
+
+def run_resume(ctx: Any, spec: Spec, R: float, sigma: float, steps: int, split: int) -> dict[str, Any]:
+    """A distributed run of ``steps`` noisy steps (Adam, a seeded noise generator on every rank) against the same
+    run saved after ``split`` steps (model, optimizer and every rank's engine state, through bytes) and resumed in a
+    fresh model, optimizer and engine whose noise generator is seeded differently (the checkpoint restores it).
+    Also loads the next rank's engine state, which must be refused naming both ranks."""
+    import io
+
+    def fresh(seed_gen: int):
+        model = build(spec.model, spec.seed)
+        gen = torch.Generator().manual_seed(seed_gen)
+        engine = make_engine(model, batch_size=spec.global_batch_size, R=R, sigma=sigma, noise_generator=gen)
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        engine.attach(opt)
+        return model, engine, opt
+
+    def run(model, engine, opt, ks):
+        for k in ks:
+            s = replace(spec, seed=spec.seed + k)
+            take_step(engine, opt, model, s, ctx.rank, shard_batches(s)[ctx.rank])
+            opt.zero_grad()
+
+    model, engine, opt = fresh(5)
+    run(model, engine, opt, range(steps))
+    straight = params_of(model)
+    engine.detach()
+
+    model, engine, opt = fresh(5)
+    run(model, engine, opt, range(split))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "engine": engine.state_dict()}, buf)
+    engine.detach()
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    model, engine, opt = fresh(999)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    engine.load_state_dict(ckpt["engine"])
+    run(model, engine, opt, range(split, steps))
+    resumed = params_of(model)
+    engine.detach()
+
+    everyone = [None] * ctx.world_size
+    torch.distributed.all_gather_object(everyone, ckpt["engine"])
+    model, engine, _ = fresh(5)
+    other = outcome(lambda: engine.load_state_dict(everyone[(ctx.rank + 1) % ctx.world_size]))
+    engine.detach()
+    return {"straight": straight, "resumed": resumed, "other_rank": other, "steps": ckpt["engine"]["steps"],
+            "world_size": ckpt["engine"]["world_size"]}
