@@ -43,7 +43,8 @@ sys.path.insert(0, str(HERE))
 import workers  # noqa: E402
 import zoo  # noqa: E402
 
-METHODS = ("non-private DDP", "fastdp")
+METHODS = ("non-private DDP", "fastdp", "non-private FSDP2", "fastdp FSDP2")
+FSDP_METHODS = METHODS[2:]
 
 
 def _ddp_step(w: zoo.Workload, counter: list[int]):
@@ -67,6 +68,49 @@ def _ddp_step(w: zoo.Workload, counter: list[int]):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+def _fsdp_step(w: zoo.Workload, private: bool):
+    """GPT-2 with ``fully_shard`` on every block and the root (FSDP2); private: under a PrivacyEngine (the
+    structure probe off, as FSDP2 requires: docs/guide/distributed.md)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if w.model != "gpt2":
+        raise ValueError("the FSDP2 methods shard GPT-2's blocks (model.transformer.h); use --model gpt2")
+    torch.manual_seed(0)
+    model = zoo.make_model(w)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    engine = None
+    if private:
+        import fastdp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = fastdp.PrivacyEngine(model, batch_size=w.batch, sample_size=100 * w.batch, noise_multiplier=1.0,
+                                          max_grad_norm=1.0, accountant="rdp", verify_structure=False)
+        engine.attach(opt)
+    forward, loss = zoo.forward_fn(w), zoo.loss_fn(w)
+
+    def step(data):
+        x, y = data
+        loss(forward(model, x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step.engine = engine  # type: ignore[attr-defined]
+    return step
+
+
+def _make(w: zoo.Workload, method: str, counter: list[int]):
+    if method == "non-private DDP":
+        return _ddp_step(w, counter)
+    if method == "fastdp":
+        return _private_step(w)
+    return _fsdp_step(w, private=method == "fastdp FSDP2")
 
 
 def _private_step(w: zoo.Workload):
@@ -96,26 +140,30 @@ def _world(rank: int, world: int, init: str, job: dict, out: str) -> None:
     w = zoo.Workload(job["model"], job["size"], job["batch"], job["widths"])
     data = _local(zoo.make_batch(w, torch.device("cpu")), rank, world)
     result: dict = {}
+    methods = job["methods"]
     if job["kind"] == "time":
         counter = [0]
-        steps = {"non-private DDP": _ddp_step(w, counter), "fastdp": _private_step(w)}
-        for m in METHODS:
+        steps = {m: _make(w, m, counter) for m in methods}
+        for m in methods:
             for _ in range(job["warmup"]):
                 steps[m](data)
         counter[0] = 0
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        times: dict[str, list[float]] = {m: [] for m in methods}
         for r in range(job["rounds"]):
-            order = list(METHODS)[r % 2:] + list(METHODS)[:r % 2]
+            order = methods[r % len(methods):] + methods[:r % len(methods)]
             for m in order:
                 times[m].append(_timed(steps[m], data))
-        eng = steps["fastdp"].engine
-        comm = eng.communication
+        comm = steps["fastdp"].engine.communication
         result = {"times_s": times,
                   "bytes_per_step": {"non-private DDP": counter[0] / job["rounds"],
                                      "fastdp": comm["all_reduce_bytes"] / max(1, comm["steps"])}}
+        if "fastdp FSDP2" in steps:
+            c = steps["fastdp FSDP2"].engine.communication
+            result["bytes_per_step"]["fastdp FSDP2 (reduce-scatter + all-reduce)"] = (
+                (c["reduce_scatter_bytes"] + c["all_reduce_bytes"]) / max(1, c["steps"]))
     else:
         m = job["method"]
-        step = _ddp_step(w, [0]) if m == "non-private DDP" else _private_step(w)
+        step = _make(w, m, [0])
         step(data)
         dist.barrier()
         before = workers._rss_bytes()
@@ -156,20 +204,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.widths, args.size, args.batch, args.rounds, args.warmup, args.mem_steps = "tiny", 16, 4, 1, 1, 1
     w = zoo.Workload(args.model, args.size, args.batch, args.widths)
-    base = {"model": args.model, "size": args.size, "batch": args.batch, "widths": args.widths}
+    methods = list(METHODS if args.model == "gpt2" else METHODS[:2])
+    base = {"model": args.model, "size": args.size, "batch": args.batch, "widths": args.widths, "methods": methods}
     rows = {}
     for n in args.worlds:
         if args.batch % n:
             raise SystemExit(f"--batch {args.batch} is not divisible by world size {n}")
         timing = run_world(n, {**base, "kind": "time", "rounds": args.rounds, "warmup": args.warmup})
         mem = {m: run_world(n, {**base, "kind": "memory", "method": m, "mem_steps": args.mem_steps})
-               for m in METHODS}
+               for m in methods}
         med = {m: statistics.median(ts) for m, ts in timing["times_s"].items()}
         rows[n] = {"median_s": med, "ratio": med["fastdp"] / med["non-private DDP"],
-                   "memory_bytes_per_rank": {m: mem[m]["memory_bytes_per_rank"] for m in METHODS},
+                   "memory_bytes_per_rank": {m: mem[m]["memory_bytes_per_rank"] for m in methods},
                    "bytes_per_step": timing["bytes_per_step"], "times_s": timing["times_s"]}
+        if "fastdp FSDP2" in med:
+            rows[n]["ratio_fsdp"] = med["fastdp FSDP2"] / med["non-private FSDP2"]
         print(f"N={n}: " + ", ".join(f"{m} {v * 1e3:.1f} ms" for m, v in med.items())
-              + f"; ratio {rows[n]['ratio']:.3f}; all-reduce bytes/step/rank {timing['bytes_per_step']}")
+              + f"; ratio {rows[n]['ratio']:.3f}; bytes/step/rank {timing['bytes_per_step']}")
     command = " ".join(["python", "benchmarks/distributed.py", *(argv if argv is not None else sys.argv[1:])])
     result = {"kind": "distributed", "workload": w.describe(), "tag": w.tag, "command": command,
               "env": {"torch": torch.__version__, "threads_per_rank": 1, "cpu_count": os.cpu_count(),
@@ -187,23 +238,32 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def table(result: dict) -> str:
-    """The markdown table of one result: per world size, medians, ratio, memory and bytes."""
+    """The markdown table of one result: per world size and method pair, medians, ratio (and its ratio to N = 1),
+    peak memory growth per rank, and the bytes each rank communicated per step."""
     rows = result["rows"]
-    one = rows.get("1", {}).get("ratio")
     lines = [f"{result['workload']}, global batch split evenly over N gloo processes (1 thread each), "
-             f"{result['rounds']} alternating rounds, {result['env']['date']}, "
-             f"`{result['command']}`:", "",
-             "| N | non-private DDP (ms) | fastdp (ms) | ratio | ratio / ratio at N=1 | peak memory growth per rank, "
-             "DDP → fastdp (MB) | all-reduce bytes per step per rank, DDP / fastdp |",
-             "|---|---|---|---|---|---|---|"]
-    for n, r in rows.items():
-        mem = r["memory_bytes_per_rank"]
-        mem_s = ", ".join(f"{a / 2**20:.0f} → {b / 2**20:.0f}" for a, b in zip(mem["non-private DDP"],
-                                                                                mem["fastdp"], strict=True))
-        b = r["bytes_per_step"]
-        rel = f"{r['ratio'] / one:.3f}" if one else "-"
-        lines.append(f"| {n} | {r['median_s']['non-private DDP'] * 1e3:.1f} | {r['median_s']['fastdp'] * 1e3:.1f} | "
-                     f"{r['ratio']:.3f} | {rel} | {mem_s} | {b['non-private DDP']:,.0f} / {b['fastdp']:,.0f} |")
+             f"{result['rounds']} alternating rounds, {result['env']['date']}, `{result['command']}`:", "",
+             "| N | non-private | private | non-private (ms) | private (ms) | ratio | ratio / ratio at N=1 | "
+             "peak memory growth per rank, non-private → private (MB) | bytes sent per step per rank, "
+             "non-private / private |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    pairs = [("non-private DDP", "fastdp", "ratio"), ("non-private FSDP2", "fastdp FSDP2", "ratio_fsdp")]
+    for base, priv, key in pairs:
+        one = rows.get("1", {}).get(key)
+        for n, r in rows.items():
+            if key not in r:
+                continue
+            mem = r["memory_bytes_per_rank"]
+            mem_s = ", ".join(f"{a / 2**20:.0f} → {b / 2**20:.0f}" for a, b in zip(mem[base], mem[priv],
+                                                                                    strict=True))
+            b = r["bytes_per_step"]
+            if priv == "fastdp":
+                sent = f"{b['non-private DDP']:,.0f} / {b['fastdp']:,.0f}"
+            else:
+                sent = f"- / {b.get('fastdp FSDP2 (reduce-scatter + all-reduce)', 0):,.0f}"
+            rel = f"{r[key] / one:.3f}" if one else "-"
+            lines.append(f"| {n} | {base} | {priv} | {r['median_s'][base] * 1e3:.1f} | {r['median_s'][priv] * 1e3:.1f}"
+                         f" | {r[key]:.3f} | {rel} | {mem_s} | {sent} |")
     return "\n".join(lines)
 
 
