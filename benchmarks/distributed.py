@@ -5,14 +5,16 @@ For each world size N (default 1 and 2) one world of N processes (one thread eac
 
 * ``non-private DDP``: the workload's model in ``DistributedDataParallel``, plain SGD;
 * ``fastdp``: the same model, unwrapped, under a data-parallel ``PrivacyEngine`` (default mode, sigma 1);
+* ``non-private FSDP2`` and ``fastdp FSDP2`` (GPT-2 only): ``fully_shard`` on every block and the root, without
+  and with the engine (``verify_structure=False``, as FSDP2 requires);
 
 on the same global batch (each rank holds ``batch / N`` rows). A step's time is the slowest rank's (a barrier
 before each step). Peak memory growth per rank (peak RSS) is measured in a fresh world per method. The bytes each
 rank puts into all-reduces per step are counted, not computed: a DDP communication hook adds up its buckets, the
 engine reports its own (``engine.communication``).
 
-The target of the issue: the private step's ratio to non-private DDP at N = 2 within 1.1x of the one-process ratio
-(N = 1), so communication adds no DP-specific cost.
+The target: the private step's ratio to its non-private counterpart at N = 2 within 1.1x of the ratio at N = 1,
+so communication adds no DP-specific cost.
 
     python benchmarks/distributed.py                        # GPT-2 (cpu widths) T 128, global batch 16, N 1 and 2
     python benchmarks/distributed.py --quick                # a smoke run

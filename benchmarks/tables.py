@@ -353,6 +353,8 @@ def _has_matplotlib() -> bool:
 
 
 def _images(results: dict, img_dir: Path, doc: Path) -> str:
+    if results.get("kind") == "distributed":
+        return ""
     preset = results.get("preset") or results["config"].get("preset")
     found = sorted(img_dir.glob(f"bench_{results['env']['device']}_{preset}_*.png"))
     return "\n".join(f"![{p.stem}]({os.path.relpath(p, doc.parent)})" for p in found)
