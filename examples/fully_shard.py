@@ -9,8 +9,9 @@ The model and the data are those of ``examples/distributed.py`` (a small BERT cl
 task). Here the model is sharded: ``fully_shard`` on each encoder layer and on the root, before the engine is built.
 What changes against the data-parallel example:
 
-* the engine is built with ``verify_structure=False`` (the structure probe's extra passes would run FSDP's
-  collectives on one rank only; verify a model once on one process without ``fully_shard``);
+* the structure probe runs once, on the unsharded model in this process (``fastdp.validate.verify_structure`` on a
+  batch of the training shapes), and the engine is built with ``verify_structure=False`` (the probe's extra passes
+  would run FSDP's collectives on one rank only);
 * every rank runs the same number of forward/backward passes per step, because FSDP all-gathers the parameters of
   each layer on every rank: the ranks agree on the number of micro-batches (the largest over the ranks) and each
   rank splits its samples evenly into that many (Hugging Face BERT cannot run an empty batch; with a model that
@@ -63,6 +64,8 @@ def main() -> None:
     epochs = 0.5 if args.quick else args.epochs
 
     model = make_model().to(device)
+    # the structure probe on the unsharded model, in this process (no collectives), at the training input shapes
+    fastdp.validate.verify_structure(model, input_ids=x_train[:8].to(device))
     mesh = init_device_mesh(device.type, (world,))
     for layer in model.bert.encoder.layer:
         fully_shard(layer, mesh=mesh)

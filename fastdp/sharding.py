@@ -155,8 +155,8 @@ class Sharding:
                 "verify_structure=True with a fully_shard (FSDP2) model: the structure probe runs extra forward and "
                 "backward passes when a rank sees a new input signature, and under FSDP each of them all-gathers "
                 "parameters, a collective the other ranks would not join (a hang). Verify the model's structure "
-                "once on one process without fully_shard (the same model and input shapes, "
-                "verify_structure=True), then build the sharded engine with verify_structure=False.")
+                "once on one process before fully_shard: fastdp.validate.verify_structure(model, batch) with a "
+                "batch of the training shapes; then shard and build the engine with verify_structure=False.")
         if eng.clip_config.mode.sums == "replay":
             raise ShardingError(
                 f"clipping_mode={eng.clipping_mode!r} with a fully_shard (FSDP2) model: its clipped sums re-run each "

@@ -18,6 +18,7 @@ back in train mode.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -156,4 +157,50 @@ def fix(model: nn.Module, num_groups: int | None = None) -> nn.Module:
     return model
 
 
-__all__ = ["MAX_GROUPS", "check", "default_num_groups", "find_problems", "fix"]
+def verify_structure(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run the engine's structure probe (:mod:`fastdp.probe`) on ``model(*args, **kwargs)`` in this process, as a
+    ``PrivacyEngine``'s first forward call with that input signature would, and leave the model as it was.
+
+    For models whose engine runs with ``verify_structure=False`` (FSDP2 ``fully_shard`` models: their probe would
+    run collectives on one rank only): call it on the unsharded model, on one process, with a batch of the shapes
+    training will use (batch size >= 2; the same sequence length, image size and keyword arguments), before
+    sharding. It verifies that signature only: a later input of another shape is not verified by the sharded engine.
+
+    Returns:
+        the probe's statistics (``{"probes", "signatures", "seconds", "eval_retries"}``).
+
+    Raises:
+        fastdp.StructureError: the engine's per-sample gradients of ``model`` do not match a batch-of-one
+            computation (batch axis not first, samples mixed, ...): the model cannot be trained privately as is.
+        ValueError: a batch size below 2, or the probe could not verify this call (every per-sample gradient ~0 at
+            this input); a model the engine refuses raises the engine's error.
+    """
+    import warnings
+
+    from fastdp.engine import PrivacyEngine
+    from fastdp.layers.batchdim import infer_batch_size
+
+    B = infer_batch_size(args, kwargs)
+    if B is None or B < 2:
+        raise ValueError(f"verify_structure needs a batch of at least 2 samples (the inputs' leading size is {B}): "
+                         "with one sample, samples mixed by the model cannot show")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # noise_multiplier=0: this engine never releases anything
+        engine = PrivacyEngine(model, batch_size=1, sample_size=1, noise_multiplier=0.0, distributed=False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    engine.attach(optimizer)
+    try:
+        with torch.enable_grad():
+            model(*args, **kwargs)
+        stats = dict(engine.probe_stats)
+    finally:
+        engine.detach()
+    if stats["signatures"] < 1:
+        raise ValueError(
+            "the structure probe could not verify this call: give a batch whose per-sample gradients are not all ~0 "
+            "(e.g. random inputs)")
+    logger.info("verify_structure: model verified at this input signature in %.2f s", stats["seconds"])
+    return stats
+
+
+__all__ = ["MAX_GROUPS", "check", "default_num_groups", "find_problems", "fix", "verify_structure"]
