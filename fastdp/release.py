@@ -177,7 +177,8 @@ class Release:
             self.discard()
             raise RuntimeError(self.refusal)
         # `args` starts with the optimizer itself (torch passes step's full positional arguments).
-        if len(args) > 1 or kwargs.get("closure") is not None:
+        # accelerate's AcceleratedOptimizer passes closure=None positionally: only a real closure is refused
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
             raise RuntimeError("optimizer.step(closure) is not supported under a PrivacyEngine: call "
                                "loss.backward() yourself, then optimizer.step()")
         if not eng._capture.roots:
