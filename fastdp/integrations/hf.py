@@ -57,7 +57,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Sampler
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from fastdp import losses as fl
 from fastdp.data import EmptyBatchCollate
@@ -156,6 +156,33 @@ def planned_steps(args: Any, sample_size: int) -> tuple[int, int]:
     return per_epoch, total
 
 
+def _rows(inputs: Mapping[str, Any]) -> int:
+    """The micro-batch's number of examples: the first dimension of its first tensor."""
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    raise ValueError(f"the training batch has no tensor with a batch dimension (keys {sorted(inputs)})")
+
+
+class _EmptyStep(TrainerCallback):
+    """Lets an optimizer step whose Poisson batch was empty (no backward pass) release noise only, as
+    :meth:`fastdp.PrivacyEngine.empty_step` does, and counts the rows of each step."""
+
+    def __init__(self, trainer: DPTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tr = self.trainer
+        if tr.engine is not None and tr._step_rows == 0:
+            tr.engine._release.empty_step = True  # see PrivacyEngine.empty_step
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tr = self.trainer
+        if tr.engine is not None:
+            tr.engine._release.empty_step = False
+        tr._step_rows = 0
+
+
 def _logits(outputs: Any) -> torch.Tensor:
     if isinstance(outputs, torch.Tensor):
         return outputs
@@ -221,7 +248,9 @@ class DPTrainer(Trainer):
         self.sampling_seed = secrets.randbits(63) if sampling_seed is None else int(sampling_seed)
         self.engine: PrivacyEngine | None = None
         self._sampler: PoissonMicroBatchSampler | None = None
+        self._step_rows = 0  # examples in the micro-batches of the current optimizer step
         self._check_supported()
+        self.add_callback(_EmptyStep(self))
 
     # ------------------------------------------------------------------ refusals
     def _check_supported(self) -> None:
@@ -354,6 +383,10 @@ class DPTrainer(Trainer):
         micro-batches of the step, for the Trainer's logged mean."""
         model.train()
         inputs = self._prepare_inputs(inputs)
+        rows = _rows(inputs)
+        if rows == 0:  # an empty micro-batch: nothing to run (many models fail on 0 rows), nothing to add
+            return torch.zeros((), device=self.args.device)
+        self._step_rows += rows
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         loss.backward()
