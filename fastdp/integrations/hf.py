@@ -343,9 +343,9 @@ class DPTrainer(Trainer):
             if privacy.get("noise_generator") is None and not privacy.get("secure_mode", False):
                 device = next((p.device for p in self.model.parameters() if p.requires_grad), torch.device("cpu"))
                 privacy["noise_generator"] = torch.Generator(device=device).manual_seed(secrets.randbits(63))
-            self.engine = PrivacyEngine(self.model, batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps,
-                                        sample_size=n, steps=total, loss_reduction="mean", distributed=False,
-                                        **privacy)
+            batch = a.per_device_train_batch_size * a.gradient_accumulation_steps
+            self.engine = PrivacyEngine(self.model, batch_size=batch, sample_size=n, steps=total,
+                                        loss_reduction="mean", distributed=False, **privacy)
             self.engine.attach(self.optimizer)
             logger.info("DPTrainer: %d planned steps, expected logical batch %d of %d examples, sigma=%g",
                         total, self.engine.batch_size, n, self.engine.noise_multiplier)
