@@ -41,7 +41,8 @@ the noisy gradient): ``max_grad_norm`` other than 0/None (the ``Trainer``'s glob
 sample with ``privacy["max_grad_norm"]``), ``train_sampling_strategy`` other than ``"random"`` (e.g.
 ``group_by_length``), a subclass's own ``_get_train_sampler``/``get_train_dataloader``, ``dataloader_drop_last``,
 ``auto_find_batch_size``, ``ignore_data_skip``, ``label_smoothing_factor``, ``neftune_noise_alpha``,
-``compute_loss_func``, ``fp16`` (GradScaler), ``torch_compile``, several GPUs in one process (``DataParallel``),
+``compute_loss_func``, ``model_init``, ``fp16`` (GradScaler), ``torch_compile``, a second ``train()`` on the same
+trainer (it would re-draw the same batches), several GPUs in one process (``DataParallel``),
 several processes, DeepSpeed and FSDP, and training sets without ``__len__``.
 """
 
@@ -284,6 +285,9 @@ class DPTrainer(Trainer):
         if a.neftune_noise_alpha is not None:
             bad.append(f"neftune_noise_alpha={a.neftune_noise_alpha!r}: NEFTune scales each sample's embedding noise "
                        "by the padded length of the whole batch, so a sample's gradient depends on the others")
+        if self.model_init is not None:
+            bad.append("model_init: the Trainer would build a new model at train(), away from the privacy engine "
+                       "attached to this one; pass model=")
         if getattr(self, "compute_loss_func", None) is not None:
             bad.append("compute_loss_func: DPTrainer computes the per-sample loss itself (per_sample_loss=...)")
         if self.accelerator.mixed_precision == "fp16":
@@ -300,6 +304,17 @@ class DPTrainer(Trainer):
                        "map-style data set of known size")
         if bad:
             raise ValueError("DPTrainer cannot train privately with:\n- " + "\n- ".join(bad))
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; refused once this trainer's engine has released steps (a second ``train()`` would
+        restart the Trainer's step count and draw the same Poisson batches again)."""
+        if self.engine is not None and self.engine.steps > 0:
+            raise RuntimeError(f"train() again on a DPTrainer whose engine has released {self.engine.steps} steps: "
+                               "the Trainer would restart at step 0 and re-draw the same Poisson batches, which the "
+                               "accounting does not allow. Raise max_steps and resume from a checkpoint with a new "
+                               "DPTrainer (train(resume_from_checkpoint=...)), or build a new DPTrainer (a new "
+                               "privacy budget: compose the epsilons yourself)")
+        return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:

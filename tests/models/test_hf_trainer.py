@@ -380,6 +380,12 @@ def test_refused_setups(tmp_path, monkeypatch):
         make_trainer(Plain(), args, data, {"noise_multiplier": 1.0}, seed=0)
     with pytest.raises(ValueError, match="not one of"):
         make_trainer(bert_cls(), args, data, {"noise_multiplier": 1.0}, seed=0, per_sample_loss="mse")
+    with pytest.raises(ValueError, match="model_init"):
+        DPTrainer(model_init=lambda: bert_cls(), args=args, train_dataset=data, privacy={"noise_multiplier": 1.0})
+    tr, _ = make_trainer(bert_cls(), args, data, {"noise_multiplier": 1.0}, seed=0)
+    tr.train()
+    with pytest.raises(RuntimeError, match="re-draw the same Poisson batches"):
+        tr.train()
     monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
     with pytest.raises(ValueError, match="DataParallel"):
         make_trainer(bert_cls(), args, data, {"noise_multiplier": 1.0}, seed=0)
