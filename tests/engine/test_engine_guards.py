@@ -67,6 +67,17 @@ def test_step_with_closure_is_refused():
 
     with pytest.raises(RuntimeError, match="closure"):
         opt.step(closure)
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(closure=closure)
+
+
+def test_step_with_closure_none_positional_is_a_step():
+    """accelerate's AcceleratedOptimizer (the HF Trainer's) calls ``optimizer.step(None)``: not a closure."""
+    model = nn.Sequential(nn.Linear(3, 2)).to(D)
+    engine, opt = _attached(model)
+    model(torch.randn(4, 3, dtype=D)).sum().backward()
+    opt.step(None)
+    assert engine.steps == 1
 
 
 class Broadcast(nn.Module):
