@@ -435,7 +435,7 @@ class DPTrainer(Trainer):
             raise FileNotFoundError(f"{path} does not exist: the checkpoint has no privacy engine state, so the "
                                     "accounting would restart at 0 steps and report too small an epsilon. Resume "
                                     "from a checkpoint saved by DPTrainer (not with save_only_model=True)")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # plain data and tensors only
         if not isinstance(state, dict) or state.get("format") != 1:
             raise ValueError(f"{path} is not a DPTrainer engine checkpoint (format 1)")
         if self.engine is None:
