@@ -20,7 +20,8 @@ What it changes, and why (everything else is the ``Trainer``'s):
   ``per_device_train_batch_size``, and may be empty. The ``Trainer``'s collator is kept (wrapped so an empty list of
   examples gives an empty batch, :class:`fastdp.data.EmptyBatchCollate`), and so are the loader options that do not
   change which examples are drawn (workers, pinned memory, prefetching). An epoch is ``round(1 / q)`` steps.
-* **Loss.** The loss backpropagated is the mean over the micro-batch of per-sample losses (``per_sample_loss``, by
+* **Loss.** The model is called without ``labels=`` and with ``use_cache=False`` (if its forward takes it); the loss
+  backpropagated is the mean over the micro-batch of per-sample losses (``per_sample_loss``, by
   default chosen from the model's head among :mod:`fastdp.losses`); the model's own ``labels=`` loss mixes samples
   and is refused by the engine (:mod:`fastdp.hf_guard`). It is not divided by the accumulation steps: the engine
   divides the clipped sum by the expected logical batch size ``B``.
@@ -48,6 +49,7 @@ several processes, DeepSpeed and FSDP, and training sets without ``__len__``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -182,6 +184,14 @@ class _EmptyStep(TrainerCallback):
         if tr.engine is not None:
             tr.engine._release.empty_step = False
         tr._step_rows = 0
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` has a parameter ``name``."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _logits(outputs: Any) -> torch.Tensor:
@@ -383,6 +393,8 @@ class DPTrainer(Trainer):
         if self._loss_name == "seq2seq" and "decoder_input_ids" not in inputs:
             inner = self.accelerator.unwrap_model(model)
             inputs["decoder_input_ids"] = inner.prepare_decoder_input_ids_from_labels(labels=labels)
+        if "use_cache" not in inputs and _takes(self.accelerator.unwrap_model(model), "use_cache"):
+            inputs["use_cache"] = False  # a key/value cache breaks per-sample attribution (docs/guide/huggingface.md)
         outputs = model(**inputs)
         per = self._loss_fn(_logits(outputs), labels)
         if not isinstance(per, torch.Tensor) or per.dim() != 1 or per.shape[0] != labels.shape[0]:

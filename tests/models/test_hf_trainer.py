@@ -1,6 +1,6 @@
 """DPTrainer (fastdp.integrations.hf): private training through ``transformers.Trainer``.
 
-Tiny BERT (sequence classification) and GPT-2 (causal LM) built from configs in float64, no downloads,
+Tiny BERT (sequence classification), GPT-2 (causal LM) and T5 (seq2seq) built from configs in float64, no downloads,
 ``report_to="none"``, ``output_dir`` in ``tmp_path``. What is checked:
 
 * one Trainer optimizer step releases (sigma = 0) the brute-force oracle's clipped sum of the Poisson batch the
@@ -21,6 +21,7 @@ import copy
 import os
 import shutil
 
+import model_oracle
 import pytest
 import torch
 from oracle import choose_R, clipped_sum, make_groups, oracle_model, per_sample_grads
@@ -80,9 +81,26 @@ def lm_data(n: int = N, seed: int = 2) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def t5_s2s(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return model_oracle.t5(decoder_start_token_id=0).double()
+
+
+def s2s_data(n: int = N, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        labels = torch.randint(0, V, (4,), generator=g)
+        labels[int(torch.randint(2, 5, (), generator=g)):] = -100  # padded targets
+        out.append({"input_ids": torch.randint(0, V, (T,), generator=g), "labels": labels})
+    return out
+
+
 FAMILIES = {"bert": (bert_cls, cls_data, losses.sequence_classification_loss, ("input_ids", "attention_mask",
                                                                                  "position_ids")),
-            "gpt2": (gpt2_lm, lm_data, losses.causal_lm_loss, ("input_ids", "position_ids"))}
+            "gpt2": (gpt2_lm, lm_data, losses.causal_lm_loss, ("input_ids", "position_ids")),
+            # the trainer builds decoder_input_ids from the labels (the oracle: model._shift_right(labels))
+            "t5": (t5_s2s, s2s_data, losses.seq2seq_loss, ("input_ids", "decoder_input_ids"))}
 
 
 class KW(nn.Module):
@@ -97,11 +115,17 @@ class KW(nn.Module):
         return self.m(**kw, **({"use_cache": False} if isinstance(self.m, GPT2LMHeadModel) else {})).logits
 
 
-def oracle_batches(data, index_lists, keys):
-    """The trainer's micro-batches as oracle batches ``((x...), y)``."""
-    return [(tuple(torch.stack([data[i][k] for i in idx]) for k in keys), torch.stack([data[i]["labels"]
-                                                                                       for i in idx]))
-            for idx in index_lists if idx]
+def oracle_batches(data, index_lists, keys, model=None):
+    """The trainer's micro-batches as oracle batches ``((x...), y)`` (``decoder_input_ids`` from the labels)."""
+    out = []
+    for idx in index_lists:
+        if not idx:
+            continue
+        y = torch.stack([data[i]["labels"] for i in idx])
+        x = tuple(model._shift_right(y) if k == "decoder_input_ids" else torch.stack([data[i][k] for i in idx])
+                  for k in keys)
+        out.append((x, y))
+    return out
 
 
 def targs(tmp_path, **kw) -> TrainingArguments:
@@ -185,7 +209,7 @@ def test_sampler_splits_one_poisson_batch_into_micro_batches():
 
 
 # --------------------------------------------------------------------------- one step against the oracle
-@pytest.mark.parametrize("family", ["bert", "gpt2"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "t5"])
 @pytest.mark.parametrize("gas", [1, 3])
 def test_one_step_releases_the_oracle_clipped_sum(tmp_path, family, gas):
     make, data_fn, loss, keys = FAMILIES[family]
@@ -195,7 +219,7 @@ def test_one_step_releases_the_oracle_clipped_sum(tmp_path, family, gas):
     seed, micro = first_step(3, b, gas)
     om = KW(oracle_model(template), keys)
     names = [f"m.{n}" for n, p in template.named_parameters() if p.requires_grad]
-    psg = per_sample_grads(om, loss, oracle_batches(data, micro, keys), names)
+    psg = per_sample_grads(om, loss, oracle_batches(data, micro, keys, template), names)
     groups = make_groups(om, "all-layer", names)
     R = choose_R(psg, groups, "middle")
     want = clipped_sum(psg, groups, "abadi", R, b * gas)
