@@ -200,7 +200,9 @@ class Release:
             self.discard()
             raise RuntimeError("optimizer.step() was called directly on an optimizer attached with a GradScaler: the "
                                "gradients of this step are loss-scaled and the scaler's inf check would be skipped. "
-                               "Call scaler.step(optimizer) then scaler.update(); nothing was released.")
+                               "Call scaler.step(optimizer) then scaler.update(); nothing was released. (An "
+                               "optimizer built with fused=True is stepped by the scaler without unscale_: build it "
+                               "without fused=True.)")
         return False
 
     def _local_checks(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -214,3 +214,16 @@ def test_scaler_backward_after_unscale_refused():
     scaler.scale(mse_per_sample(model(x), y).mean()).backward()
     with pytest.raises(RuntimeError, match="between scaler.unscale_"):
         scaler.step(opt)
+
+
+def test_fused_optimizer_refused():
+    model = mlp(torch.float32)
+    engine = make_engine(model, batch_size=2, R=1.0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    engine.attach(opt, scaler=scaler)
+    x, y = batches([2], dtype=torch.float32)[0]
+    scaler.scale(mse_per_sample(model(x), y).mean()).backward()
+    with pytest.raises(RuntimeError, match="fused=True"):
+        scaler.step(opt)
+    assert engine.steps == 0 and all(p.grad is None for p in model.parameters())
