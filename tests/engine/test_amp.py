@@ -227,3 +227,21 @@ def test_fused_optimizer_refused():
     with pytest.raises(RuntimeError, match="fused=True"):
         scaler.step(opt)
     assert engine.steps == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_skipped_step_in_checkpoint_and_epsilon():
+    """A skipped step is in the ledger, so epsilon and a checkpoint cover it: a resumed engine reports the same."""
+    model = mlp()
+    engine, opt, scaler = setup(model, 5, 1.0, sigma=0.8)
+    x, y = batches([5])[0]
+    x = x.clone()
+    x[:] = math.inf  # every sample overflows: skipped (5 + 0.8 xi > 2.9 unless xi < -2.6)
+    scaler.scale(mse_per_sample(model(x), y).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert engine._release.last_step_skipped and engine.steps == 1
+    eps = engine.get_privacy_spent()["epsilon"]
+    assert 0 < eps < math.inf
+    fresh = make_engine(mlp(), batch_size=5, R=1.0, sigma=0.8)
+    fresh.load_state_dict(engine.state_dict())
+    assert fresh.steps == 1 and fresh.get_privacy_spent()["epsilon"] == eps
