@@ -40,7 +40,7 @@ from fastdp.layers.base import LayerKind, autocast_state
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry
 from fastdp.records import Record
-from fastdp.torch_api import is_batchnorm, set_requires_grad
+from fastdp.torch_api import is_batchnorm, run_by_torch_compile, set_requires_grad
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,14 @@ class ProbeState:
     out_leaves: Any = None
     #: the last probe run compared only rounding noise (every per-sample gradient ~0): its signature is not verified
     inconclusive: bool = False
+
+
+#: why a model run under ``torch.compile`` is refused, and what to do (docs/guide/integrations.md#torchcompile)
+COMPILE_REFUSAL = (
+    "torch.compile is not supported with a PrivacyEngine: the engine's per-layer hooks (ghost differentiation, "
+    "output-gradient capture, the structure probe) break the compiled graph at every layer, and code compiled "
+    "before attach() runs without them, which the engine refuses. Call the uncompiled model (model, not "
+    "torch.compile(model)) and build the PrivacyEngine on it; nothing of the refused call was recorded.")
 
 
 class Capture:
@@ -266,6 +274,8 @@ class Capture:
         (:func:`fastdp.layers.batchdim.infer_batch_size`). An outermost call first discards what a failed forward
         or backward pass left behind; a new input signature is verified by the structure probe
         (:mod:`fastdp.probe`) before the call runs."""
+        if not self.roots and run_by_torch_compile():
+            raise RuntimeError(COMPILE_REFUSAL)
         if not self.roots:
             self.recover()
         frame = RootFrame(self.next_forward, sys.exc_info()[1], torch.is_grad_enabled())
@@ -298,7 +308,8 @@ class Capture:
             f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "
             "(e.g. a weight read directly by another module, as in weight tying through F.linear). fastdp cannot "
             "clip that use per sample. Tie weights through modules (assign the same nn.Parameter to both), or "
-            "freeze the parameter.")
+            "freeze the parameter. (A model run through torch.compile before the engine was attached does this "
+            "too: its compiled code skips the engine's hooks. " + COMPILE_REFUSAL + ")")
 
     # ------------------------------------------------------------------ layer kinds
     def _layer_pre(self, module: nn.Module, args: tuple[Any, ...], *, params: list[nn.Parameter]) -> None:

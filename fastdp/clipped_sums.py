@@ -19,7 +19,7 @@ and so are the factors applied to the captured tensors. Sums go to the release s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,9 @@ class ClipConfig:
     group_of: dict[nn.Parameter, int]  # parameter -> group index
     mean_reduction: bool
     on_nonfinite: str = "raise"  # "raise" or "zero" (clipping factor 0 for samples with non-finite gradients)
+    #: the loss scale ``S`` of the backward pass (``torch.amp.GradScaler``, :mod:`fastdp.amp`), read at the end of
+    #: each pass; ``None``: 1. The captured gradients are ``S`` times the loss's, so norms and factors divide by it.
+    loss_scale: Callable[[], float] | None = None
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -64,7 +67,8 @@ class BackwardResult:
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("b,b...->...", coef.to(psg.dtype), psg)
+    acc = accumulation_dtype(psg.dtype)
+    return torch.einsum("b,b...->...", coef.to(acc), psg.to(acc))
 
 
 def _add(out: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, value: torch.Tensor) -> None:
@@ -78,7 +82,8 @@ def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str
         leaves = {n: getattr(module, n).detach().requires_grad_(True) for n in names}
         out = functional_call(module, leaves, (rec.activation,))
         g = rec.grad_output
-        weights = g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+        # the product in float32: under a loss scale, coef is ~1/S and g ~S (either alone may leave float16's range)
+        weights = (g.to(accumulation_dtype(g.dtype)) * coef.view(-1, *([1] * (g.dim() - 1)))).to(g.dtype)
         grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=weights)
     return dict(zip(names, grads, strict=True))
 
@@ -134,6 +139,8 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
                   cfg: ClipConfig, stream: Any = None) -> BackwardResult:
     B = batch_size_of(records)
     scale = float(B) if cfg.mean_reduction else 1.0
+    if cfg.loss_scale is not None:  # captured gradients are S times the loss's: C_i from ||g_i|| = ||captured_i|| / S
+        scale /= float(cfg.loss_scale())
     mode = cfg.mode
 
     uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
@@ -180,7 +187,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         bad = ~torch.isfinite(total_sq)
         if bool(bad.any()):
             idx = bad.nonzero().flatten().tolist()
-            if cfg.on_nonfinite != "zero":
+            if cfg.on_nonfinite not in ("zero", "scaler"):
                 raise NonFiniteGradientError(
                     f"the per-sample gradients of samples {idx[:10]}{'...' if len(idx) > 10 else ''} of this batch "
                     "(positions in the physical batch) contain NaN or infinity. Nothing was released. Fix the "

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import checkpoint, config, engine_registry
+from fastdp import amp, checkpoint, config, engine_registry
 from fastdp import distributed as fdist
 from fastdp.capture import Capture
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError
@@ -286,6 +286,10 @@ class PrivacyEngine:
                                     thresholds=[group_threshold(self.max_grad_norm, len(groups))] * len(groups),
                                     group_of=group_of, mean_reduction=self.loss_reduction == "mean",
                                     on_nonfinite=self.on_nonfinite)
+        link = getattr(getattr(self, "_release", None), "scaler", None)
+        if link is not None:  # a replan while attached with a GradScaler keeps the loss scale
+            self._clip_cfg.loss_scale = link.loss_scale
+            self._clip_cfg.on_nonfinite = "scaler"
 
     def _replan(self, *, reinstall: bool) -> None:
         """Build the plan again (trainable set or owners changed) and, if attached, reinstall the model hooks."""
@@ -301,11 +305,20 @@ class PrivacyEngine:
         self._replan(reinstall=True)
 
     # ------------------------------------------------------------------ attach / detach
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
         """Start private training with ``optimizer``: install hooks, turn on ghost differentiation.
 
-        Every parameter the optimizer updates must be one of the engine's trainable parameters.
+        Every parameter the optimizer updates must be one of the engine's trainable parameters. With ``scaler``
+        (a ``torch.amp.GradScaler``) the loop is ``scaler.scale(loss).backward(); scaler.step(optimizer);
+        scaler.update()``: clipping uses the unscaled gradients (threshold ``R`` whatever the scale), the step is
+        released inside ``scaler.unscale_``, and an overflow skips the step as without DP, decided from a noisy
+        count of overflowed samples; a skipped step is accounted (:mod:`fastdp.amp`, docs/guide/integrations.md).
         """
+        if scaler is not None:
+            amp.check_scaler(scaler)
+            if self._group is not None or self._sharding is not None:
+                raise ValueError("attach(scaler=...) is not supported on several processes (torch.distributed or "
+                                 "fully_shard) yet: train in bfloat16 autocast without a GradScaler there")
         if self.optimizer is not None:
             raise RuntimeError("this PrivacyEngine is already attached to an optimizer; call detach() first")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -324,6 +337,10 @@ class PrivacyEngine:
         self._handles.append(optimizer.register_step_pre_hook(self._release.pre_step))
         self._handles.append(register_other_step_hook(self._release))
         ATTACHED.add(optimizer)
+        if scaler is not None:
+            self._release.scaler = amp.ScalerLink(self._release, scaler)
+            self._clip_cfg.loss_scale = self._release.scaler.loss_scale
+            self._clip_cfg.on_nonfinite = "scaler"
         logger.info("attached: %d trainable tensors in %d hooked modules, mode %s, sigma=%g",
                     len(self._trainable), len(self.plan.entries), self.clipping_mode, self.noise_multiplier)
 
@@ -360,6 +377,12 @@ class PrivacyEngine:
         self._release.summed.clear()
         self._release.backward_seen = False
         self._release.step_samples = 0
+        if self._release.scaler is not None:
+            self._release.scaler.remove()
+            self._release.scaler = None
+            self._release.released_early = False
+            self._release.overflow_samples = 0
+            self._configure_groups()  # the clipping configuration without the loss scale
         if self.optimizer is not None:
             ATTACHED.discard(self.optimizer)
         self.optimizer = None

@@ -72,6 +72,10 @@ class Release:
         self.refusal: str | None = None  # a refusal decided before the step (several ranks: agreed in the step)
         self.bytes_reduced = 0  # bytes this rank put into all-reduces of clipped sums (several ranks)
         self._fp_cache: tuple[Any, int] | None = None  # (plan, fingerprint of its trainable set)
+        self.scaler: Any = None  # fastdp.amp.ScalerLink while attached with a GradScaler
+        self.overflow_samples = 0  # samples of this step whose scaled gradient was non-finite (GradScaler)
+        self.released_early = False  # scaler.unscale_ released this step; optimizer.step() only applies it
+        self.last_step_skipped = False  # the last accounted step was skipped for the loss scaler's overflow
 
     @property
     def noiseless_steps(self) -> int:
@@ -99,7 +103,9 @@ class Release:
         """Add one completed backward pass's clipped sums to this step's (called by the capture stage)."""
         self.backward_seen = True
         self.step_samples += result.batch_size
-        if result.nonfinite:
+        if result.nonfinite and self.scaler is not None:  # overflow under the loss scale (fastdp.amp)
+            self.overflow_samples += result.nonfinite
+        elif result.nonfinite:
             self.nonfinite_samples += result.nonfinite
             logger.warning("step %d: %d sample(s) with non-finite gradients got clipping factor 0 (%d so far)",
                            self.step_number, result.nonfinite, self.nonfinite_samples)
@@ -116,6 +122,7 @@ class Release:
         self.engine._capture.pending.clear()
         self.backward_seen = False
         self.step_samples = 0
+        self.overflow_samples = 0
 
     def set_sigma(self, noise_multiplier: float) -> None:
         """``PrivacyEngine.set_noise_multiplier``: sigma from the next step on (checked; the budget look-ahead
@@ -141,6 +148,8 @@ class Release:
         ranks the checks are agreed first (:meth:`_agree_step`) and the sums all-reduced (:meth:`_release_reduced`)."""
         eng = self.engine
         group = eng._group
+        if self.scaler is not None and self._scaler_pre_step():
+            return
         if group is None:
             self._local_checks(optimizer, args, kwargs)
             samples = self.step_samples
@@ -149,7 +158,12 @@ class Release:
         self._check_budget()
         self._check_sample_rate(samples)
         eng._capture.pending.clear()  # forward calls that never got a backward pass
-        if group is None:
+        self.last_step_skipped = self.scaler is not None and self.scaler.overflowed(
+            self.overflow_samples, self.sigma, eng.noise_generator, eng.secure_mode,
+            next(iter(eng.plan.trainable.values())).device)
+        if self.last_step_skipped:  # nothing released, the step accounted (fastdp.amp)
+            self.summed.clear()
+        elif group is None:
             sums = self.summed
             std = self.sigma * eng.max_grad_norm
             for p in eng.plan.trainable.values():
@@ -169,6 +183,27 @@ class Release:
         self.accountant.record_step(self.sigma, eng.sample_rate)  # sigma = 0 too: epsilon inf
         self.step_samples = 0
         self.backward_seen = False
+        self.overflow_samples = 0
+
+    def _scaler_pre_step(self) -> bool:
+        """With a GradScaler (:mod:`fastdp.amp`): whether ``scaler.unscale_`` already released this step (then the
+        optimizer only applies it); refuse an ``optimizer.step()`` that bypasses the scaler."""
+        if self.released_early:
+            self.released_early = False
+            if self.holds_gradients():
+                self.discard()
+                raise RuntimeError("a backward pass ran between scaler.unscale_(optimizer) and the optimizer's step; "
+                                   "its gradients were discarded (not released, not accounted). Run every backward "
+                                   "pass of the step before scaler.unscale_ / scaler.step.")
+            return True
+        if not self.scaler.in_unscale and not self.empty_step:
+            self.discard()
+            raise RuntimeError("optimizer.step() was called directly on an optimizer attached with a GradScaler: the "
+                               "gradients of this step are loss-scaled and the scaler's inf check would be skipped. "
+                               "Call scaler.step(optimizer) then scaler.update(); nothing was released. (An "
+                               "optimizer built with fused=True is stepped by the scaler without unscale_: build it "
+                               "without fused=True.)")
+        return False
 
     def _local_checks(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """This process's checks of the step (raise before anything is released)."""

@@ -37,6 +37,26 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def run_by_torch_compile() -> bool:
+    """Whether the calling code runs under ``torch.compile``: traced by Dynamo, or run eagerly by Dynamo's fallback
+    after a graph break (a frame of ``torch/_dynamo/eval_frame.py`` on the Python stack).
+
+    ``torch.compiler.is_compiling()`` is public but true only while Dynamo traces; after a graph break Dynamo runs
+    the rest of the frame eagerly, where it reads false. The stack walk (``sys._getframe``, CPython) is the part
+    outside torch's promise.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    import sys
+
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename.replace("\\", "/").endswith("torch/_dynamo/eval_frame.py"):
+            return True
+        f = f.f_back
+    return False
+
+
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     """Leaves and spec of a nested structure of tensors (``torch.utils._pytree``, private but stable since 2.0);
     it knows torch's own containers and Hugging Face ``ModelOutput`` s, which a hand-written walk would not."""
