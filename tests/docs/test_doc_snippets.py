@@ -117,6 +117,7 @@ def setup_readme(tmp_path: Path) -> dict[str, Any]:
 def check_readme(ns: dict[str, Any]) -> None:
     assert len(_INJECTED) == 1 and _steps(ns) == 65  # 64 Poisson batches + the injected empty one
     assert all(_changed(ns["before"], ns["model"]))
+    assert all(p.isfinite().all() for p in ns["model"].parameters())  # the empty batch's NaN loss released nothing
 
 
 def setup_accounting(tmp_path: Path) -> dict[str, Any]:
