@@ -300,12 +300,13 @@ def setup_hf(tmp_path: Path) -> dict[str, Any]:
     path = _tiny_gpt2_dir(tmp_path)
     g = torch.Generator().manual_seed(0)
     train_set = [{"input_ids": torch.randint(0, 50, (int(torch.randint(2, 7, (), generator=g)),), generator=g)}
-                 for _ in range(5632)]  # 11 batches an epoch: the empty one comes after 33 >= 512 / 16
+                 for _ in range(5120)]
     return {"path": path, "train_set": train_set, "pad_collate": _pad_collate}
 
 
 def check_hf(ns: dict[str, Any]) -> None:
-    assert len(_INJECTED) == 1 and _steps(ns) == 34  # 3 epochs of 11 batches + the empty one
+    # one pass over the loader, 10 batches: too few for an empty batch the monitor accepts at B = 512 (32 needed)
+    assert not _INJECTED and _steps(ns) == 10
 
 
 def setup_quickstart(tmp_path: Path) -> dict[str, Any]:
