@@ -188,7 +188,8 @@ def setup_checkpoint_save(tmp_path: Path, monkeypatch: Any) -> dict[str, Any]:
 
 def check_checkpoint_save(ns: dict[str, Any]) -> None:
     ckpt = torch.load("checkpoint.pt")
-    assert ckpt["engine"]["steps"] == 1 if "steps" in ckpt["engine"] else _steps(ns) == 1
+    assert ckpt["engine"]["steps"] == _steps(ns) == 1
+    assert ckpt["engine"]["noise_generator"] is not None  # the reproducible noise stream is saved
 
 
 def setup_checkpoint_resume(tmp_path: Path, monkeypatch: Any) -> dict[str, Any]:
@@ -335,7 +336,7 @@ def setup_secure(tmp_path: Path) -> dict[str, Any]:
 
 
 def check_secure(ns: dict[str, Any]) -> None:
-    assert ns["engine"].secure_mode if hasattr(ns["engine"], "secure_mode") else True
+    assert ns["engine"].state_dict()["config"]["secure_mode"] is True
     assert ns["loader"].batch_sampler.secure_mode
 
 
