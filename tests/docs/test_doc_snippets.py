@@ -398,6 +398,30 @@ def check_losses(ns: dict[str, Any]) -> None:
     assert all(p.grad is not None for p in ns["model"].parameters())
 
 
+def setup_autocast(tmp_path: Path) -> dict[str, Any]:
+    ns = _attached(_base(), batch_size=16)  # x, y: 16 rows
+    ns["before"] = _params(ns["model"])
+    return ns
+
+
+def check_autocast(ns: dict[str, Any]) -> None:
+    assert _steps(ns) == 1 and all(_changed(ns["before"], ns["model"]))
+
+
+def setup_scaler(tmp_path: Path) -> dict[str, Any]:
+    ns = _base()
+    ns["engine"] = fastdp.PrivacyEngine(ns["model"], batch_size=256, sample_size=ns["n"], epochs=1,
+                                        target_epsilon=3.0)
+    ns["loader"] = fdata.poisson_loader(ns["train_set"], batch_size=256)
+    ns["before"] = _params(ns["model"])
+    return ns
+
+
+def check_scaler(ns: dict[str, Any]) -> None:
+    assert _steps(ns) == len(ns["loader"]) + len(_INJECTED)  # skipped steps count too
+    assert all(_changed(ns["before"], ns["model"]))
+
+
 #: "page#k" -> (setup(tmp_path[, monkeypatch]) -> namespace, check(namespace[, capsys]) or None)
 SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | None]] = {
     "README.md#0": (setup_readme, check_readme),
@@ -411,6 +435,8 @@ SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | Non
     "docs/guide/data.md#2": (setup_dist_data, check_dist_data),
     "docs/guide/distributed.md#0": (setup_dist_loop, check_dist_loop),
     "docs/guide/huggingface.md#0": (setup_hf, check_hf),
+    "docs/guide/integrations.md#0": (setup_autocast, check_autocast),
+    "docs/guide/integrations.md#1": (setup_scaler, check_scaler),
     "docs/guide/quickstart.md#0": (setup_quickstart, check_quickstart),
     "docs/guide/refusals.md#0": (setup_refusals, check_refusals),
     "docs/guide/secure-mode.md#0": (setup_secure, check_secure),
@@ -425,6 +451,8 @@ SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | Non
 
 #: "page#k" -> why the block is not run here
 SKIP: dict[str, str] = {
+    "docs/guide/huggingface.md#1": "a 3-epoch Trainer run; the same DPTrainer calls run on tiny models in "
+                                   "tests/models/test_hf_trainer.py",
     "docs/guide/distributed.md#1": "needs torchrun with CUDA (init_device_mesh('cuda')); the same steps run on CPU in "
                                    "examples/fully_shard.py and tests/distributed",
 }
