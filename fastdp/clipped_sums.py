@@ -44,6 +44,7 @@ class ClipConfig:
     group_of: dict[nn.Parameter, int]  # parameter -> group index
     mean_reduction: bool
     on_nonfinite: str = "raise"  # "raise" or "zero" (clipping factor 0 for samples with non-finite gradients)
+    count_unclipped: bool = False  # count samples with ||g_i|| <= R_0 (adaptive clipping, fastdp.adaptive)
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -61,6 +62,8 @@ class BackwardResult:
     #: id(parameter) -> how its per-sample norm was computed ("ghost", "instantiated", "generic"; "shared" added
     #: for a parameter with several uses), for :meth:`fastdp.plan.Plan.describe`
     norms: dict[int, str] = field(default_factory=dict)
+    #: samples with total norm ``||g_i|| <= R`` (only with ``ClipConfig.count_unclipped``: adaptive clipping)
+    unclipped: int = 0
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
@@ -189,11 +192,14 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             for rec in records:
                 _sanitize(rec, bad)
             result = _clipped_sums(records, param_of, cfg, stream)
-            return BackwardResult(result.sums, result.batch_size, len(idx), result.norms)
+            return BackwardResult(result.sums, result.batch_size, len(idx), result.norms, result.unclipped)
     coefs: dict[int, torch.Tensor] = {}
+    unclipped = 0
     for k, sq in group_sq.items():
         norms = sq.clamp(min=0).sqrt() * scale
         coefs[k] = cfg.clip_fn(norms, cfg.thresholds[k]) * scale
+        if cfg.count_unclipped:  # one group (all-layer): b_i = 1[||g_i|| <= R]
+            unclipped += int((norms <= cfg.thresholds[k]).sum())
 
     # Step 3: clipped sums.
     if stream is not None:
@@ -225,4 +231,4 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         for param in [q for q in out if q in replayed]:
             if stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
                 del out[param]
-    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how)
+    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how, unclipped)
