@@ -40,5 +40,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "AdaptiveClipping", "PrivacyBudgetExceeded", "NonFiniteGradientError", "StructureError", "engines_on",
-           "accounting", "data", "losses", "validate", "__version__"]
+__all__ = ["PrivacyEngine", "AdaptiveClipping", "PrivacyBudgetExceeded", "NonFiniteGradientError", "StructureError",
+           "engines_on", "accounting", "data", "losses", "validate", "__version__"]
