@@ -197,6 +197,10 @@ class PrivacyEngine:
             logger.info("data-parallel over %d ranks (rank %d, backend %s): rank 0's %d parameters and buffers "
                         "broadcast", self._group.world_size, self._group.rank, self._group.backend, n)
         if is_fully_sharded(model):
+            if self._adaptive is not None:
+                raise ValueError("clipping_fn='adaptive' is not supported on fully_shard (FSDP2) models yet (its "
+                                 "count of unclipped samples is tested with data-parallel engines only); use "
+                                 "clipping_fn='abadi' with a fixed max_grad_norm, or data-parallel training")
             self._sharding = Sharding(self)
         self._config_locked = True
 
@@ -377,6 +381,7 @@ class PrivacyEngine:
         self._release.summed.clear()
         self._release.backward_seen = False
         self._release.step_samples = 0
+        self._release.step_unclipped = 0
         if self.optimizer is not None:
             ATTACHED.discard(self.optimizer)
         self.optimizer = None

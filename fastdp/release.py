@@ -403,6 +403,7 @@ class Release:
         self.summed.clear()
         self.backward_seen = False
         self.step_samples = 0
+        self.step_unclipped = 0
         eng._capture.drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
         raise RuntimeError(
             f"{type(optimizer).__name__} (id {id(optimizer):#x}), an optimizer this PrivacyEngine is not attached "

@@ -301,3 +301,11 @@ def test_empty_step_releases_a_noisy_count_of_zero():
     assert eng.adaptive_clipping.noisy_unclipped_fractions == [0.5]  # (0 - 0/2) / B + 1/2: no information
     assert eng.adaptive_clipping.max_grad_norm == pytest.approx(1.0)
     assert eng.steps == 1
+
+
+def test_fully_sharded_models_are_refused(monkeypatch):
+    import fastdp.engine
+
+    monkeypatch.setattr(fastdp.engine, "is_fully_sharded", lambda model: True)
+    with pytest.raises(ValueError, match="not supported on fully_shard"):
+        adaptive_engine(norm_model(), batch_size=4, sample_size=400, sigma=0.5, count_sigma=1.0)
