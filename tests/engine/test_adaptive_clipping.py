@@ -172,7 +172,7 @@ def test_noise_standard_deviations():
     """The gradient noise has std sigma_grad R_t / B, the fraction's noise sigma_b / B."""
     torch.manual_seed(5)
     model = nn.Linear(60, 60, bias=False).double()
-    B, z, sb = 10, 1.0, 4.0
+    B, z, sb = 10, 1.0, 0.6  # 2 sb close to z: sigma_grad = 1.81 z, far from z
     eng = adaptive_engine(model, batch_size=B, sample_size=1000, sigma=z, count_sigma=sb, R=2.0,
                           noise_generator=torch.Generator().manual_seed(6))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -188,6 +188,7 @@ def test_noise_standard_deviations():
         opt.zero_grad()
     fracs = torch.tensor(eng.adaptive_clipping.noisy_unclipped_fractions)
     sg = grad_noise_multiplier(z, sb)
+    assert sg == pytest.approx(1 / math.sqrt(1 - 1 / 1.2 ** 2), rel=1e-12) and sg > 1.8
     assert grad_std == pytest.approx(sg * 2.0 / B, rel=5 / math.sqrt(2 * 3600))  # 5 standard errors
     # every sample is unclipped: b~ = 1 + N(0, sb^2) / B
     assert float(fracs.mean()) == pytest.approx(1.0, abs=5 * sb / B / math.sqrt(200))
