@@ -8,8 +8,9 @@ per-sample gradient norms, privately. At step ``t`` (logical batch of ``n_t`` sa
   ``c~_t = sum_i (b_i - 1/2) + N(0, sigma_b^2)``, ``b_i = 1[||g_i|| <= R_t]`` (``sigma_b`` =
   ``count_noise_multiplier``, in samples). Adding or removing one sample moves it by 1/2;
 * the noisy fraction of unclipped samples is ``b~_t = c~_t / B + 1/2`` (post-processing; equal to
-  ``sum_i b_i / B`` when ``n_t = B`` and without noise) and the threshold moves geometrically:
-  ``R_{t+1} = R_t * exp(-eta (b~_t - gamma))`` (``eta`` = ``learning_rate``).
+  ``sum_i b_i / B`` when ``n_t = B`` and without noise), clipped to [0, 1], and the threshold moves geometrically:
+  ``R_{t+1} = R_t * exp(-eta (clip(b~_t, 0, 1) - gamma))`` (``eta`` = ``learning_rate``). The history keeps
+  ``b~_t`` as released (unclipped: its mean is an unbiased estimate of the fraction of unclipped samples).
 
 Privacy. The step releases two Gaussian mechanisms on the same Poisson-sampled batch: the clipped sum
 (sensitivity ``R_t``, noise std ``sigma_grad R_t``) and the centred count (sensitivity 1/2, noise std
@@ -174,7 +175,8 @@ class AdaptiveState:
 
     @staticmethod
     def _next(threshold: float, fraction: float, settings: AdaptiveClipping) -> float:
-        return threshold * math.exp(-settings.learning_rate * (fraction - settings.target_quantile))
+        clamped = min(1.0, max(0.0, fraction))  # the noise can take b~ outside [0, 1] (the paper clips it)
+        return threshold * math.exp(-settings.learning_rate * (clamped - settings.target_quantile))
 
     def update(self, noisy_centred_count: float) -> float:
         """After a released step: record ``b~_t = c~_t / B + 1/2`` and move to ``R_{t+1}``; returns it."""

@@ -173,11 +173,12 @@ def test_noise_standard_deviations():
     torch.manual_seed(5)
     model = nn.Linear(60, 60, bias=False).double()
     B, z, sb = 10, 1.0, 0.6  # 2 sb close to z: sigma_grad = 1.81 z, far from z
-    eng = adaptive_engine(model, batch_size=B, sample_size=1000, sigma=z, count_sigma=sb, R=2.0,
+    eng = adaptive_engine(model, batch_size=B, sample_size=1000, sigma=z, count_sigma=sb, R=2.0, eta=1e-3,
                           noise_generator=torch.Generator().manual_seed(6))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     eng.attach(opt)
-    x = torch.zeros(B, 60, dtype=torch.float64)  # zero gradients: the release is the noise; all unclipped
+    # gradients of norm 1e-3 << R (R stays above 1.8 with eta = 1e-3): all unclipped, the release is ~ the noise
+    x = 1e-3 * torch.nn.functional.normalize(torch.randn(B, 60, dtype=torch.float64), dim=1)
     fracs, r = [], []
     for _ in range(200):
         r.append(eng.adaptive_clipping.max_grad_norm)
@@ -310,3 +311,25 @@ def test_fully_sharded_models_are_refused(monkeypatch):
     monkeypatch.setattr(fastdp.engine, "is_fully_sharded", lambda model: True)
     with pytest.raises(ValueError, match="not supported on fully_shard"):
         adaptive_engine(norm_model(), batch_size=4, sample_size=400, sigma=0.5, count_sigma=1.0)
+
+
+def test_noisy_fraction_outside_0_1_is_clipped_in_the_update():
+    from fastdp.adaptive import AdaptiveState
+
+    st = AdaptiveState(AdaptiveClipping(0.5, 0.2, 1.0), 1.0, 10)
+    st.update(20.0)  # b~ = 20 / 10 + 1/2 = 2.5: the update uses 1
+    assert st.noisy_unclipped_fractions == [2.5]
+    assert st.max_grad_norm == pytest.approx(math.exp(-0.2 * 0.5), rel=1e-15)
+    st.update(-30.0)  # b~ = -2.5: the update uses 0
+    assert st.max_grad_norm == pytest.approx(1.0, rel=1e-15)
+    assert st.thresholds == [1.0, pytest.approx(math.exp(-0.1))]
+
+
+def test_secure_mode_draws_the_count_noise():
+    model = norm_model()
+    eng = adaptive_engine(model, batch_size=4, sample_size=400, sigma=0.5, count_sigma=1.0, secure_mode=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng.attach(opt)
+    step(model, opt, torch.randn(4, 3, dtype=torch.float64), torch.zeros(4, 1, dtype=torch.float64))
+    f = eng.adaptive_clipping.noisy_unclipped_fractions[0]
+    assert abs(f * 8 - round(f * 8)) > 1e-9  # off the exact count's grid of 1/(2B): noise was added
