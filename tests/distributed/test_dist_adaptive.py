@@ -54,7 +54,7 @@ def oracle_run(spec: Spec) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
         thresholds.append(r)
         wants.append(want)
         frac = float((norms <= r).sum() - len(norms) / 2) / B + 0.5
-        r = r * math.exp(-ETA * (frac - GAMMA))
+        r = r * math.exp(-ETA * (min(1.0, max(0.0, frac)) - GAMMA))
         with torch.no_grad():
             for n in names:
                 params[n].sub_(LR * want[n])
