@@ -75,6 +75,9 @@ def test_every_rank_releases_the_oracle_clipped_at_each_steps_threshold(name):
                 torch.testing.assert_close(got[n], w, rtol=1e-6, atol=1e-10,
                                            msg=lambda m, n=n, t=t, rank=rank: f"rank {rank} step {t} {n}: {m}")
         assert v["thresholds"] == vals[0]["thresholds"] and v["R"] == vals[0]["R"]
+        # the count is one more float64 element of the clipped sums' all-reduce: 8 bytes a step
+        params = build(EXACT[name].model, 0).parameters()
+        assert v["bytes"] == STEPS * (8 * sum(p.numel() for p in params) + 8)
 
 
 def test_the_count_noise_is_drawn_once_and_every_rank_agrees():
