@@ -31,6 +31,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("fastdp.engine"), name)
     if name == "engines_on":
         return importlib.import_module("fastdp.engine_registry").engines_on
+    if name == "AdaptiveClipping":
+        return importlib.import_module("fastdp.adaptive").AdaptiveClipping
     if name == "StructureError":
         return importlib.import_module("fastdp.probe").StructureError
     if name in _SUBMODULES:
@@ -38,5 +40,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError", "StructureError", "engines_on",
-           "accounting", "data", "losses", "validate", "__version__"]
+__all__ = ["PrivacyEngine", "AdaptiveClipping", "PrivacyBudgetExceeded", "NonFiniteGradientError", "StructureError",
+           "engines_on", "accounting", "data", "losses", "validate", "__version__"]

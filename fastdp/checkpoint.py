@@ -29,7 +29,8 @@ def privacy_config(engine: Any) -> dict[str, Any]:
             "batch_size": engine.batch_size, "sample_size": engine.sample_size, "max_grad_norm": engine.max_grad_norm,
             "clipping_fn": engine.clipping_fn, "clipping_style": style, "clipping_mode": engine.clipping_mode,
             "loss_reduction": engine.loss_reduction, "target_delta": engine.target_delta,
-            "accountant": engine.accountant.name, "secure_mode": engine.secure_mode}
+            "accountant": engine.accountant.name, "secure_mode": engine.secure_mode,
+            "adaptive_clipping": None if engine._adaptive is None else engine._adaptive.config()}
 
 
 def state_dict(engine: Any) -> dict[str, Any]:
@@ -44,7 +45,8 @@ def state_dict(engine: Any) -> dict[str, Any]:
             "noise_generator": None if gen is None else gen.get_state(),
             "config": privacy_config(engine), "sampling": rel.sampling.state_dict(),
             "nonfinite_samples": rel.nonfinite_samples, "world_size": engine.world_size, "rank": engine.rank,
-            "sharded_noise": sharding.checkpoint_state(engine)}
+            "sharded_noise": sharding.checkpoint_state(engine),
+            "adaptive_clipping": None if engine._adaptive is None else engine._adaptive.state_dict()}
 
 
 def _count(state: dict[str, Any], key: str, default: Any = None) -> int:
@@ -114,8 +116,14 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
         raise ValueError("the saved state has a noise generator state; build the engine with "
                          "noise_generator=torch.Generator(...) to resume the same noise stream")
     apply_sharded = sharding.check_checkpoint_state(engine, state.get("sharded_noise"))
+    adaptive = None  # adaptive clipping: R_t recomputed from the released noisy fractions, never read
+    if engine._adaptive is not None:
+        adaptive = engine._adaptive.check_state(state.get("adaptive_clipping"), steps)
     # all checked: apply
     apply_sharded()
+    if adaptive is not None:
+        engine._adaptive.apply(adaptive)
+        engine._clip_cfg.thresholds = [engine._adaptive.max_grad_norm]
     if gen is not None:
         engine.noise_generator.set_state(gen)
     rel.accountant.load_state_dict(trial.state_dict())

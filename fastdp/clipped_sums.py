@@ -47,6 +47,7 @@ class ClipConfig:
     #: the loss scale ``S`` of the backward pass (``torch.amp.GradScaler``, :mod:`fastdp.amp`), read at the end of
     #: each pass; ``None``: 1. The captured gradients are ``S`` times the loss's, so norms and factors divide by it.
     loss_scale: Callable[[], float] | None = None
+    count_unclipped: bool = False  # count samples with ||g_i|| <= R_0 (adaptive clipping, fastdp.adaptive)
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -64,6 +65,8 @@ class BackwardResult:
     #: id(parameter) -> how its per-sample norm was computed ("ghost", "instantiated", "generic"; "shared" added
     #: for a parameter with several uses), for :meth:`fastdp.plan.Plan.describe`
     norms: dict[int, str] = field(default_factory=dict)
+    #: samples with total norm ``||g_i|| <= R`` (only with ``ClipConfig.count_unclipped``: adaptive clipping)
+    unclipped: int = 0
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
@@ -196,11 +199,14 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             for rec in records:
                 _sanitize(rec, bad)
             result = _clipped_sums(records, param_of, cfg, stream)
-            return BackwardResult(result.sums, result.batch_size, len(idx), result.norms)
+            return BackwardResult(result.sums, result.batch_size, len(idx), result.norms, result.unclipped)
     coefs: dict[int, torch.Tensor] = {}
+    unclipped = 0
     for k, sq in group_sq.items():
         norms = sq.clamp(min=0).sqrt() * scale
         coefs[k] = cfg.clip_fn(norms, cfg.thresholds[k]) * scale
+        if cfg.count_unclipped:  # one group (all-layer): b_i = 1[||g_i|| <= R]
+            unclipped += int((norms <= cfg.thresholds[k]).sum())
 
     # Step 3: clipped sums.
     if stream is not None:
@@ -232,4 +238,4 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         for param in [q for q in out if q in replayed]:
             if stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
                 del out[param]
-    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how)
+    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how, unclipped)

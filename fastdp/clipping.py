@@ -49,9 +49,12 @@ CLIPPING_STYLES = ("all-layer", "layer-wise", "param-wise")
 
 
 def get_clipping_fn(name: str) -> ClipFn:
-    """The clipping function called ``name`` (see the module docstring)."""
+    """The clipping function called ``name`` (see the module docstring); ``"adaptive"`` clips as ``"abadi"`` at a
+    threshold that moves (:mod:`fastdp.adaptive`)."""
+    if name == "adaptive":
+        return _abadi
     if name not in CLIPPING_FUNCTIONS:
-        raise ValueError(f"clipping_fn={name!r} is not one of {sorted(CLIPPING_FUNCTIONS)}")
+        raise ValueError(f"clipping_fn={name!r} is not one of {sorted(CLIPPING_FUNCTIONS) + ['adaptive']}")
     return CLIPPING_FUNCTIONS[name]
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import amp, checkpoint, config, engine_registry
+from fastdp import adaptive, amp, checkpoint, config, engine_registry
 from fastdp import distributed as fdist
 from fastdp.capture import Capture
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError
@@ -93,7 +93,12 @@ class PrivacyEngine:
         target_epsilon: calibrate ``sigma`` so that epsilon after the planned steps is at most this.
         target_delta: delta; default :func:`default_delta` = ``1 / (2 sample_size)``.
         max_grad_norm: the clipping threshold ``R`` (total per-sample sensitivity).
-        clipping_fn: ``"abadi"``, ``"automatic"`` or ``"global"`` (see :mod:`fastdp.clipping`).
+        clipping_fn: ``"abadi"``, ``"automatic"`` or ``"global"`` (see :mod:`fastdp.clipping`), or ``"adaptive"``:
+            ``"abadi"`` at a threshold ``R_t`` (starting at ``max_grad_norm``) that follows a quantile of the
+            per-sample norms privately (Andrew et al. 2021; :mod:`fastdp.adaptive`, docs/guide/clipping.md).
+            ``noise_multiplier`` is then the privacy of each step *with* the count's noise.
+        adaptive_clipping: the settings of ``clipping_fn="adaptive"`` (:class:`fastdp.adaptive.AdaptiveClipping`:
+            target quantile, learning rate, count noise); default ``AdaptiveClipping()``.
         clipping_style: ``"all-layer"``, ``"layer-wise"``, ``"param-wise"`` or a list of lists of parameter names.
         clipping_mode: ``"BK-MixOpt"`` (default), ``"BK-MixGhostClip"``, ``"BK-ghost"``, ``"ghost"`` or
             ``"instantiate"`` (:mod:`fastdp.modes`); all give the same gradient up to rounding.
@@ -148,6 +153,7 @@ class PrivacyEngine:
         verify_structure: bool = True,
         distributed: bool | None = None,
         process_group: Any = None,
+        adaptive_clipping: adaptive.AdaptiveClipping | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -163,6 +169,8 @@ class PrivacyEngine:
         for name in _SETTINGS:
             setattr(self, name, getattr(s, name))
         self._clip_fn = s.clip_fn
+        ad = adaptive.resolve(clipping_fn, clipping_style, adaptive_clipping, s.batch_size, s.noise_multiplier)
+        self._adaptive = None if ad is None else adaptive.AdaptiveState(ad, s.max_grad_norm, s.batch_size)
         self._mode = s.mode
         self._initial_sigma = s.noise_multiplier  # the constructed value (checked against checkpoints)
         self.model = model
@@ -189,6 +197,10 @@ class PrivacyEngine:
             logger.info("data-parallel over %d ranks (rank %d, backend %s): rank 0's %d parameters and buffers "
                         "broadcast", self._group.world_size, self._group.rank, self._group.backend, n)
         if is_fully_sharded(model):
+            if self._adaptive is not None:
+                raise ValueError("clipping_fn='adaptive' is not supported on fully_shard (FSDP2) models yet (its "
+                                 "count of unclipped samples is tested with data-parallel engines only); use "
+                                 "clipping_fn='abadi' with a fixed max_grad_norm, or data-parallel training")
             self._sharding = Sharding(self)
         self._config_locked = True
 
@@ -264,6 +276,14 @@ class PrivacyEngine:
         return self._capture.probe.stats
 
     @property
+    def adaptive_clipping(self) -> adaptive.AdaptiveState | None:
+        """With ``clipping_fn="adaptive"``: the threshold now (``.max_grad_norm``, ``R_t``), per released step
+        (``.thresholds``), the released noisy fractions of unclipped samples (``.noisy_unclipped_fractions``;
+        ``.noisy_clipped_fraction()`` is the fraction clipped so far, a private estimate), the count's and the
+        gradient's noise multipliers; ``None`` otherwise. Read-only: the engine updates it at each step."""
+        return self._adaptive
+
+    @property
     def clip_config(self) -> ClipConfig:
         """What the clipping stage needs besides the records: mode, function, thresholds, groups, reduction."""
         return self._clip_cfg
@@ -282,10 +302,11 @@ class PrivacyEngine:
         groups = resolve_groups(self.clipping_style, list(self.plan.trainable), owner)
         self._groups = groups
         group_of = {self.plan.trainable[n]: k for k, g in enumerate(groups) for n in g}
+        r = self.max_grad_norm if self._adaptive is None else self._adaptive.max_grad_norm  # R_t (adaptive)
         self._clip_cfg = ClipConfig(mode=self._mode, clip_fn=self._clip_fn,
-                                    thresholds=[group_threshold(self.max_grad_norm, len(groups))] * len(groups),
+                                    thresholds=[group_threshold(r, len(groups))] * len(groups),
                                     group_of=group_of, mean_reduction=self.loss_reduction == "mean",
-                                    on_nonfinite=self.on_nonfinite)
+                                    on_nonfinite=self.on_nonfinite, count_unclipped=self._adaptive is not None)
         link = getattr(getattr(self, "_release", None), "scaler", None)
         if link is not None:  # a replan while attached with a GradScaler keeps the loss scale
             self._clip_cfg.loss_scale = link.loss_scale
@@ -319,6 +340,11 @@ class PrivacyEngine:
             if self._group is not None or self._sharding is not None:
                 raise ValueError("attach(scaler=...) is not supported on several processes (torch.distributed or "
                                  "fully_shard) yet: train in bfloat16 autocast without a GradScaler there")
+            if self._adaptive is not None:
+                raise ValueError("attach(scaler=...) with clipping_fn='adaptive' is not supported yet: a step the "
+                                 "scaler skips releases no noisy count for the threshold update. Use a fixed "
+                                 "max_grad_norm with the GradScaler, or adaptive clipping in bfloat16 autocast "
+                                 "without a scaler")
         if self.optimizer is not None:
             raise RuntimeError("this PrivacyEngine is already attached to an optimizer; call detach() first")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -377,6 +403,7 @@ class PrivacyEngine:
         self._release.summed.clear()
         self._release.backward_seen = False
         self._release.step_samples = 0
+        self._release.step_unclipped = 0
         if self._release.scaler is not None:
             self._release.scaler.remove()
             self._release.scaler = None

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fastdp import accounting, distributed
+from fastdp import accounting, adaptive, distributed
 from fastdp.clipped_sums import BackwardResult
 from fastdp.noise import noise_dtype, noisy_mean, secure_gaussian, secure_noisy_mean
 from fastdp.plan import trainable_change
@@ -68,6 +68,7 @@ class Release:
         self.step_samples = 0  # samples seen by the backward passes of the current logical step
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
+        self.step_unclipped = 0  # samples with ||g_i|| <= R_t this step (adaptive clipping, fastdp.adaptive)
         self.empty_step = False  # an `engine.empty_step()` is running
         self.refusal: str | None = None  # a refusal decided before the step (several ranks: agreed in the step)
         self.bytes_reduced = 0  # bytes this rank put into all-reduces of clipped sums (several ranks)
@@ -103,6 +104,7 @@ class Release:
         """Add one completed backward pass's clipped sums to this step's (called by the capture stage)."""
         self.backward_seen = True
         self.step_samples += result.batch_size
+        self.step_unclipped += result.unclipped
         if result.nonfinite and self.scaler is not None:  # overflow under the loss scale (fastdp.amp)
             self.overflow_samples += result.nonfinite
         elif result.nonfinite:
@@ -123,6 +125,22 @@ class Release:
         self.backward_seen = False
         self.step_samples = 0
         self.overflow_samples = 0
+        self.step_unclipped = 0
+
+    def grad_std(self) -> float:
+        """The std of the gradient noise of the next step: ``sigma R``, or under adaptive clipping
+        ``sigma_grad R_t`` (:mod:`fastdp.adaptive`: ``sigma`` is then the privacy of the step, count included)."""
+        ad = self.engine._adaptive
+        if ad is None:
+            return self.sigma * self.engine.max_grad_norm
+        return ad.grad_noise_multiplier(self.sigma) * ad.max_grad_norm
+
+    def _adapt(self, noisy_centred_count: float) -> None:
+        """Adaptive clipping: the released noisy count moves the threshold of the next step (fastdp.adaptive)."""
+        eng = self.engine
+        r = eng._adaptive.update(noisy_centred_count)
+        eng._clip_cfg.thresholds = [r]  # all-layer only: one group
+        logger.debug("step %d: adaptive clipping threshold -> %g", self.steps, r)
 
     def set_sigma(self, noise_multiplier: float) -> None:
         """``PrivacyEngine.set_noise_multiplier``: sigma from the next step on (checked; the budget look-ahead
@@ -133,6 +151,7 @@ class Release:
         if not (isinstance(noise_multiplier, (int, float)) and not isinstance(noise_multiplier, bool)
                 and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             raise ValueError(f"noise_multiplier={noise_multiplier!r} must be a finite number >= 0")
+        adaptive.refuse_set_sigma(self.engine._adaptive, float(noise_multiplier))
         if noise_multiplier == 0:
             warnings.warn("noise_multiplier=0.0: the next steps are clipped but not noised, so training is NOT "
                           "differentially private from now on (epsilon is infinite).", stacklevel=3)
@@ -158,6 +177,7 @@ class Release:
         self._check_budget()
         self._check_sample_rate(samples)
         eng._capture.pending.clear()  # forward calls that never got a backward pass
+        noisy_count = 0.0  # adaptive clipping: sum_i (b_i - 1/2) + N(0, sigma_b^2) over every rank
         self.last_step_skipped = self.scaler is not None and self.scaler.overflowed(
             self.overflow_samples, self.sigma, eng.noise_generator, eng.secure_mode,
             next(iter(eng.plan.trainable.values())).device)
@@ -165,14 +185,18 @@ class Release:
             self.summed.clear()
         elif group is None:
             sums = self.summed
-            std = self.sigma * eng.max_grad_norm
+            std = self.grad_std()
             for p in eng.plan.trainable.values():
                 if eng.secure_mode:
                     p.grad = secure_noisy_mean(p, sums.pop(p, None), std, eng.batch_size)
                 else:
                     p.grad = noisy_mean(p, sums.pop(p, None), std, eng.batch_size, eng.noise_generator)
+            if eng._adaptive is not None:
+                dev = next(iter(eng.plan.trainable.values())).device
+                noisy_count = (self.step_unclipped - samples / 2
+                               + eng._adaptive.draw_count_noise(dev, eng.noise_generator, eng.secure_mode))
         else:
-            self._release_reduced(group)
+            noisy_count = self._release_reduced(group)
         trainable = {id(p) for p in eng.plan.trainable.values()}
         for group_ in optimizer.param_groups:
             for p in group_["params"]:
@@ -181,7 +205,10 @@ class Release:
         self.summed.clear()
         self.steps += 1
         self.accountant.record_step(self.sigma, eng.sample_rate)  # sigma = 0 too: epsilon inf
+        if eng._adaptive is not None:
+            self._adapt(noisy_count)
         self.step_samples = 0
+        self.step_unclipped = 0
         self.backward_seen = False
         self.overflow_samples = 0
 
@@ -288,15 +315,24 @@ class Release:
             self._fp_cache = (plan, distributed.fingerprint(plan.trainable))
         return self._fp_cache[1]
 
-    def _release_reduced(self, group: distributed.Group) -> None:
+    def _release_reduced(self, group: distributed.Group) -> float:
         """``p.grad = (sum over ranks of the clipped sums + sigma R xi) / B`` on every rank: rank 0 draws the noise
         into each all-reduce bucket at full scale (the secure mode's four-Gaussian sum there too), every rank adds
         its sums, the bucket is all-reduced, and each rank divides by ``B``. Ranks without a sum for a parameter
-        (an empty shard, an unused branch) contribute zeros."""
+        (an empty shard, an unused branch) contribute zeros.
+
+        Adaptive clipping (:mod:`fastdp.adaptive`): one more float64 element in the same all-reduce holds each
+        rank's ``sum_i (b_i - 1/2)``, plus rank 0's count noise; returns the reduced noisy count (0 otherwise)."""
         eng = self.engine
-        std = self.sigma * eng.max_grad_norm
+        std = self.grad_std()
         draw = group.rank == 0 and std > 0
         sums = self.summed
+        ad = eng._adaptive
+        dev = next(iter(eng.plan.trainable.values())).device
+        count = None if ad is None else torch.zeros(1, dtype=torch.float64, device=dev)
+        if count is not None:
+            noise = ad.draw_count_noise(dev, eng.noise_generator, eng.secure_mode) if group.rank == 0 else 0.0
+            count_value = self.step_unclipped - self.step_samples / 2 + noise
 
         def fill(flat: torch.Tensor, members: list[tuple[nn.Parameter, int]]) -> None:
             if not draw:
@@ -306,12 +342,17 @@ class Release:
             else:
                 flat.normal_(0.0, std, generator=eng.noise_generator)
             for p, off in members:
+                if p is count:
+                    flat[off] = count_value
+                    continue
                 s = sums.get(p)
                 if s is not None:
                     flat[off:off + p.numel()].add_(s.reshape(-1).to(flat.dtype))
 
         sharding = eng._sharding  # fully_shard: reduce-scattered in backward (fastdp.sharding), noised per rank
         params = [p for p in eng.plan.trainable.values() if sharding is None or not sharding.is_sharded(p)]
+        if count is not None:
+            params.append(count)  # type: ignore[arg-type]  (a float64 scalar: its own bucket, or the last element)
         try:
             reduced, sent = group.all_reduce_sum(params, noise_dtype, fill)
         except distributed.CollectiveError:
@@ -320,9 +361,14 @@ class Release:
         if sharding is not None:
             sharding.release(sums, std, eng.batch_size)
         sums.clear()
+        noisy_count = 0.0
+        if count is not None:
+            params.pop()
+            noisy_count = float(reduced.pop(count)[0])
         for p in params:
             p.grad = reduced.pop(p).div(eng.batch_size).to(p.dtype)
         self.bytes_reduced += sent
+        return noisy_count
 
     def _check_sample_rate(self, samples: int) -> None:
         """Test this step's logical batch size (over every rank) against the declared rate
@@ -393,6 +439,7 @@ class Release:
         self.summed.clear()
         self.backward_seen = False
         self.step_samples = 0
+        self.step_unclipped = 0
         eng._capture.drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
         raise RuntimeError(
             f"{type(optimizer).__name__} (id {id(optimizer):#x}), an optimizer this PrivacyEngine is not attached "
