@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fastdp import accounting, distributed
+from fastdp.clip_stats import ClipCounter
 from fastdp.clipped_sums import BackwardResult
 from fastdp.noise import noise_dtype, noisy_mean, secure_gaussian, secure_noisy_mean
 from fastdp.plan import trainable_change
@@ -72,6 +73,7 @@ class Release:
         self.refusal: str | None = None  # a refusal decided before the step (several ranks: agreed in the step)
         self.bytes_reduced = 0  # bytes this rank put into all-reduces of clipped sums (several ranks)
         self._fp_cache: tuple[Any, int] | None = None  # (plan, fingerprint of its trainable set)
+        self.clip_counter = ClipCounter()  # samples clipped (norm > R_k): a non-private diagnostic
 
     @property
     def noiseless_steps(self) -> int:
@@ -99,6 +101,7 @@ class Release:
         """Add one completed backward pass's clipped sums to this step's (called by the capture stage)."""
         self.backward_seen = True
         self.step_samples += result.batch_size
+        self.clip_counter.add(result.clipped, result.batch_size)
         if result.nonfinite:
             self.nonfinite_samples += result.nonfinite
             logger.warning("step %d: %d sample(s) with non-finite gradients got clipping factor 0 (%d so far)",
@@ -116,6 +119,7 @@ class Release:
         self.engine._capture.pending.clear()
         self.backward_seen = False
         self.step_samples = 0
+        self.clip_counter.discard()
 
     def set_sigma(self, noise_multiplier: float) -> None:
         """``PrivacyEngine.set_noise_multiplier``: sigma from the next step on (checked; the budget look-ahead
@@ -167,6 +171,7 @@ class Release:
         self.summed.clear()
         self.steps += 1
         self.accountant.record_step(self.sigma, eng.sample_rate)  # sigma = 0 too: epsilon inf
+        self.clip_counter.end_step()
         self.step_samples = 0
         self.backward_seen = False
 
@@ -357,6 +362,7 @@ class Release:
         self.summed.clear()
         self.backward_seen = False
         self.step_samples = 0
+        self.clip_counter.discard()
         eng._capture.drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
         raise RuntimeError(
             f"{type(optimizer).__name__} (id {id(optimizer):#x}), an optimizer this PrivacyEngine is not attached "
