@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastdp.accounting import GDPAccountant, Gaussian, PRVAccountant, RDPAccountant
+from fastdp.accounting import Gaussian, GDPAccountant, PRVAccountant, RDPAccountant
 from tests.oracle import (
     choose_R,
     compare_engine_to_oracle,
