@@ -446,8 +446,8 @@ class PrivacyEngine:
     def live_epsilon(self, delta: float | None = None) -> float:
         """A cheap running epsilon for progress bars and logs: the RDP upper bound of the steps so far
         (:mod:`fastdp.accounting.live`; tens of microseconds, independent of the step count). It is never below
-        :meth:`get_privacy_spent`'s PRV value (typically 10-50 % above); report that tight value at checkpoints and
-        at the end. ``inf`` after a ``sigma = 0`` step."""
+        :meth:`get_privacy_spent`'s PRV value, and looser (most of all in the first steps); report that tight
+        value at checkpoints and at the end. ``inf`` after a ``sigma = 0`` step."""
         from fastdp.accounting.live import live_epsilon
         return live_epsilon(self.accountant.ledger, self.target_delta if delta is None else delta)
 

@@ -11,8 +11,10 @@ piece's curve computed once and cached (:func:`fastdp.accounting.rdp.compute_rdp
 (tens of microseconds; ``benchmarks/live_epsilon.py`` measures it), independent of the number of steps.
 
 It is a rigorous upper bound, never below the PRV value the engine reports (PRV's reported value is the minimum of
-its own upper bound and this RDP bound), typically 10-50 % above it. Use it to watch training; report the tight
-value from ``get_privacy_spent()`` at checkpoints and at the end. It equals ``get_privacy_spent()`` exactly for an
+its own upper bound and this RDP bound), and looser, most of all early in a run (``benchmarks/live_epsilon.py``
+at sigma = 1, q = 0.01, delta = 1e-5: 1.35 against PRV's 0.39 after 10 steps, 2.27 against 1.84 after 1000, 6.79
+against 6.20 after 10 000). Use it to watch training; report the tight value from ``get_privacy_spent()`` at
+checkpoints and at the end. It equals ``get_privacy_spent()`` exactly for an
 engine built with ``accountant="rdp"`` (default orders).
 """
 
