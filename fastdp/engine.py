@@ -264,6 +264,13 @@ class PrivacyEngine:
         return self._capture.probe.stats
 
     @property
+    def clip_counter(self) -> Any:
+        """Samples whose per-sample norm exceeded their group's threshold, per step and over the run
+        (:class:`fastdp.clip_stats.ClipCounter`; a NON-PRIVATE diagnostic read by :meth:`privacy_report`; an
+        adaptive-clipping mechanism registers its noisy count with ``clip_counter.set_private_source``)."""
+        return self._release.clip_counter
+
+    @property
     def clip_config(self) -> ClipConfig:
         """What the clipping stage needs besides the records: mode, function, thresholds, groups, reduction."""
         return self._clip_cfg

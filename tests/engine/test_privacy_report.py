@@ -149,7 +149,7 @@ def test_report_noiseless_steps_is_inf_and_private_hook():
     r = eng.privacy_report()
     assert r["noiseless_steps"] == 1 and all(math.isinf(e["value"]) for e in r["epsilon"].values())
     assert math.isinf(r["epsilon_live"]) and "inf" in str(r)
-    counter = eng._release.clip_counter
+    counter = eng.clip_counter
     counter.set_private_source(lambda: {"fraction": 0.25, "mechanism": "noisy count (test)"})
     k = eng.privacy_report()["clipped"]
     assert k == {"fraction": 0.25, "last_step_fraction": None, "samples": None, "clipped": None, "private": True,
