@@ -259,7 +259,7 @@ def render(results: dict, view: str | None = None) -> str:
         return views[view](results)
     kind = results.get("kind", "steps")
     if kind == "distributed":
-        from distributed import table
+        from dist_bench import table
 
         return table(results)
     preset = results.get("preset") or results["config"].get("preset")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -70,6 +71,7 @@ def parse_args(description: str) -> argparse.Namespace:
     ap.add_argument("--physical", type=int, default=64, help="largest micro-batch per rank")
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--quick", action="store_true", help="a few steps on a subset")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (rank 0 shows steps and epsilon)")
     return ap.parse_args()
 
 
@@ -106,7 +108,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model.train()
     local_sizes = []
-    for idx in sampler:
+    # rank 0's bar shows the steps and the live epsilon (an RDP upper bound; the tight value is printed at the end)
+    for idx in fastdp.progress(sampler, engine, desc="DP training", file=sys.stderr,
+                               disable=rank != 0 or args.no_progress):
         local_sizes.append(len(idx))
         if not idx:
             engine.empty_step()  # this rank's shard of the logical batch is empty: noise only on rank 0

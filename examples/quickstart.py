@@ -112,7 +112,12 @@ def train(x_tr, y_tr, x_te, y_te, *, epsilon: float | None, args) -> dict:
         engine.attach(optimizer)
     loss_fn = nn.CrossEntropyLoss()  # reduction="mean"
     sampler = torch.Generator().manual_seed(args.seed + 2)
-    for idx in poisson_batches(n, q, steps, sampler):
+    batches = poisson_batches(n, q, steps, sampler)
+    if engine is not None and not args.no_progress:
+        # a progress bar (tqdm, on stderr) with the steps and the epsilon spent so far (a live RDP upper bound;
+        # the tight PRV value is the table's, from engine.get_privacy_spent())
+        batches = fastdp.progress(batches, engine, desc=f"eps={epsilon:g}", total=steps, file=sys.stderr)
+    for idx in batches:
         if len(idx) == 0:
             if engine is not None:
                 # An empty Poisson batch: there is nothing to back-propagate, but the accounting
@@ -149,6 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--accountant", default="prv", choices=["prv", "rdp", "gdp"])
     parser.add_argument("--no-baseline", action="store_true", help="skip the non-private run")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: this model's ops are too small to gain)")
     args = parser.parse_args(argv)

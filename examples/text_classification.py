@@ -393,7 +393,12 @@ def train(setting: Setting, train_data: Encoded, test_data: Encoded, path: Path,
                             generator=torch.Generator().manual_seed(args.seed + 2))
     lengths = [len(s) for s in train_data.ids]
     model.train()  # training mode (dropout, if --dropout > 0)
-    for index in progress(loader, total=steps, desc=setting.name, enabled=not args.no_progress):
+    if engine is not None and not args.no_progress:  # steps and epsilon so far (live RDP bound) in the bar
+        batches = fastdp.progress(loader, engine, desc=setting.name, total=steps, file=sys.stderr,
+                                  mininterval=1.0, dynamic_ncols=True)
+    else:
+        batches = progress(loader, total=steps, desc=setting.name, enabled=not args.no_progress)
+    for index in batches:
         # Sort the logical batch by length so that each physical micro-batch is padded only to its own longest
         # sequence (each sample is still clipped on its own, wherever it lands).
         index = torch.tensor(sorted(index.tolist(), key=lengths.__getitem__), dtype=torch.long)

@@ -4,6 +4,8 @@ Public entry points:
 
 * :class:`fastdp.PrivacyEngine` -- per-sample clipping (ghost norm / instantiation / bias-only, book-keeping)
   plus Gaussian noise and privacy accounting, attached to any ``torch.optim`` optimizer.
+* :func:`fastdp.make_private` -- ``(engine, poisson_loader)`` from a model, optimizer and loader in one call.
+* :func:`fastdp.progress` -- a progress bar over a loader showing the epsilon spent so far.
 * :mod:`fastdp.accounting` -- RDP, PRV and GDP-CLT accountants and noise calibration.
 * :mod:`fastdp.data` -- Poisson sampling (sampler, loader wrapper) and virtual batches.
 * :mod:`fastdp.losses` -- per-sample losses ``(B,)`` for language models and classifiers (use them instead of
@@ -35,10 +37,15 @@ def __getattr__(name: str):
         return importlib.import_module("fastdp.adaptive").AdaptiveClipping
     if name == "StructureError":
         return importlib.import_module("fastdp.probe").StructureError
+    if name == "make_private":
+        return importlib.import_module("fastdp.private").make_private
+    if name == "progress":
+        return importlib.import_module("fastdp.progress_bar").progress
     if name in _SUBMODULES:
         return importlib.import_module(f"fastdp.{name}")
     raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
 
 
-__all__ = ["PrivacyEngine", "AdaptiveClipping", "PrivacyBudgetExceeded", "NonFiniteGradientError", "StructureError",
-           "engines_on", "accounting", "data", "losses", "validate", "__version__"]
+__all__ = ["PrivacyEngine", "AdaptiveClipping", "make_private", "progress", "PrivacyBudgetExceeded",
+           "NonFiniteGradientError", "StructureError", "engines_on", "accounting", "data", "losses", "validate",
+           "__version__"]

@@ -67,6 +67,10 @@ class BackwardResult:
     norms: dict[int, str] = field(default_factory=dict)
     #: samples with total norm ``||g_i|| <= R`` (only with ``ClipConfig.count_unclipped``: adaptive clipping)
     unclipped: int = 0
+    #: samples of this pass whose per-sample norm exceeded the threshold ``R_k`` of at least one clipping group: a
+    #: 0-dim int64 tensor on the norms' device (no host sync), or ``None`` when no norm was computed. Computed from
+    #: the raw norms, so it is a NON-PRIVATE diagnostic (:mod:`fastdp.clip_stats`).
+    clipped: torch.Tensor | None = None
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
@@ -199,14 +203,18 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             for rec in records:
                 _sanitize(rec, bad)
             result = _clipped_sums(records, param_of, cfg, stream)
-            return BackwardResult(result.sums, result.batch_size, len(idx), result.norms, result.unclipped)
+            return BackwardResult(result.sums, result.batch_size, len(idx), result.norms, result.unclipped,
+                                  result.clipped)
     coefs: dict[int, torch.Tensor] = {}
     unclipped = 0
+    over: torch.Tensor | None = None  # sample's norm > R_k in some group (the non-private clipped count)
     for k, sq in group_sq.items():
         norms = sq.clamp(min=0).sqrt() * scale
         coefs[k] = cfg.clip_fn(norms, cfg.thresholds[k]) * scale
         if cfg.count_unclipped:  # one group (all-layer): b_i = 1[||g_i|| <= R]
             unclipped += int((norms <= cfg.thresholds[k]).sum())
+        above = norms > cfg.thresholds[k]
+        over = above if over is None else over | above
 
     # Step 3: clipped sums.
     if stream is not None:
@@ -238,4 +246,6 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         for param in [q for q in out if q in replayed]:
             if stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
                 del out[param]
-    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how, unclipped)
+    clipped = None if over is None else over.sum()
+    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how, unclipped,
+                          clipped)

@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fastdp import accounting, adaptive, distributed
+from fastdp.clip_stats import ClipCounter
 from fastdp.clipped_sums import BackwardResult
 from fastdp.noise import noise_dtype, noisy_mean, secure_gaussian, secure_noisy_mean
 from fastdp.plan import trainable_change
@@ -77,6 +78,7 @@ class Release:
         self.overflow_samples = 0  # samples of this step whose scaled gradient was non-finite (GradScaler)
         self.released_early = False  # scaler.unscale_ released this step; optimizer.step() only applies it
         self.last_step_skipped = False  # the last accounted step was skipped for the loss scaler's overflow
+        self.clip_counter = ClipCounter()  # samples clipped (norm > R_k): a non-private diagnostic
 
     @property
     def noiseless_steps(self) -> int:
@@ -105,6 +107,7 @@ class Release:
         self.backward_seen = True
         self.step_samples += result.batch_size
         self.step_unclipped += result.unclipped
+        self.clip_counter.add(result.clipped, result.batch_size)
         if result.nonfinite and self.scaler is not None:  # overflow under the loss scale (fastdp.amp)
             self.overflow_samples += result.nonfinite
         elif result.nonfinite:
@@ -126,6 +129,7 @@ class Release:
         self.step_samples = 0
         self.overflow_samples = 0
         self.step_unclipped = 0
+        self.clip_counter.discard()
 
     def grad_std(self) -> float:
         """The std of the gradient noise of the next step: ``sigma R``, or under adaptive clipping
@@ -207,6 +211,7 @@ class Release:
         self.accountant.record_step(self.sigma, eng.sample_rate)  # sigma = 0 too: epsilon inf
         if eng._adaptive is not None:
             self._adapt(noisy_count)
+        self.clip_counter.end_step()
         self.step_samples = 0
         self.step_unclipped = 0
         self.backward_seen = False
@@ -440,6 +445,7 @@ class Release:
         self.backward_seen = False
         self.step_samples = 0
         self.step_unclipped = 0
+        self.clip_counter.discard()
         eng._capture.drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
         raise RuntimeError(
             f"{type(optimizer).__name__} (id {id(optimizer):#x}), an optimizer this PrivacyEngine is not attached "

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from fastdp.accounting.base import check_delta, check_sample_rate, check_steps
 from fastdp.accounting.calibration import get_epsilon, get_noise_multiplier, steps_from_epochs
 from fastdp.accounting.gdp import GDP_WARNING
+from fastdp.accounting.plot import MATPLOTLIB_MISSING, plot_data, write_plot
 from fastdp.accounting.prv import PRVFallbackWarning
 from fastdp.accounting.registry import ACCOUNTANTS, resolve_name
 
@@ -37,6 +38,8 @@ examples:
     python -m fastdp.accounting --sigma 1.3 --batch-size 256 --sample-size 60000 --epochs 15
   noise multiplier for a target (epsilon=3, delta=1e-5):
     python -m fastdp.accounting --target-epsilon 3 --sample-rate 0.01 --steps 1000 --delta 1e-5
+  plot epsilon against steps (and sigma against target epsilon) to a PNG (needs matplotlib):
+    python -m fastdp.accounting --sigma 1.0 --sample-rate 0.01 --steps 1000 --delta 1e-5 --plot eps.png
 """
 
 
@@ -80,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--accountants", default="rdp,prv,gdp", help="comma-separated subset of rdp,prv,gdp (default: all)"
     )
+    parser.add_argument(
+        "--plot", metavar="PATH", help="also draw epsilon against steps and sigma against target epsilon for the "
+        "planned run to PATH (e.g. eps.png; needs matplotlib); with --target-epsilon the run uses the first "
+        "accountant's sigma"
+    )
+    parser.add_argument("--plot-points", type=int, default=12, help="points per curve of --plot (default 12)")
     return parser
 
 
@@ -128,6 +137,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             delta = 1.0 / (2 * args.sample_size)
         else:
             delta = check_delta(args.delta, name="--delta")
+        if args.plot is not None:
+            try:
+                import matplotlib  # noqa: F401  (fail before the computations)
+            except ImportError:
+                raise ValueError(MATPLOTLIB_MISSING) from None
+            if args.plot_points < 2:
+                raise ValueError(f"--plot-points={args.plot_points} must be >= 2")
         rows = []
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=GDP_WARNING.split(" (")[0])  # the table marks GDP
@@ -161,6 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'accountant':<11}{header:>12}  {'time':>7}  note")
     for name, value, seconds, note in rows:
         print(f"{name:<11}{_fmt(value):>12}  {seconds:>6.2f}s  {note}")
+    if args.plot is not None:
+        sigma = args.sigma if args.sigma is not None else rows[0][1]
+        data = plot_data(sigma=sigma, sample_rate=q, steps=steps, delta=delta, accountants=names,
+                         points=args.plot_points)
+        write_plot(data, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 

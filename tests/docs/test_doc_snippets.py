@@ -422,9 +422,31 @@ def check_scaler(ns: dict[str, Any]) -> None:
     assert all(_changed(ns["before"], ns["model"]))
 
 
+def setup_make_private(tmp_path: Path) -> dict[str, Any]:
+    ns = _base()
+    ns["train_loader"] = torch.utils.data.DataLoader(ns["train_set"], batch_size=256)
+    ns["DataLoader"] = torch.utils.data.DataLoader
+    ns["before"] = _params(ns["model"])
+    return ns
+
+
+def check_make_private(ns: dict[str, Any], capsys: Any) -> None:
+    assert ns["engine"].steps >= 3 and all(_changed(ns["before"], ns["model"]))
+    assert "epsilon" in capsys.readouterr().out
+
+
+def check_adaptive(ns: dict[str, Any], capsys: Any) -> None:
+    state = ns["engine"].adaptive_clipping
+    assert len(state.thresholds) == 3 and len(state.noisy_unclipped_fractions) == 3
+    assert "'steps': 3" in capsys.readouterr().out
+
+
 #: "page#k" -> (setup(tmp_path[, monkeypatch]) -> namespace, check(namespace[, capsys]) or None)
 SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | None]] = {
     "README.md#0": (setup_readme, check_readme),
+    "README.md#1": (setup_make_private, check_make_private),
+    "docs/guide/clipping.md#0": (lambda tmp_path: {}, check_adaptive),
+    "docs/guide/quickstart.md#1": (setup_make_private, check_make_private),
     "docs/guide/accounting.md#0": (setup_accounting, check_accounting),
     "docs/guide/bitfit.md#0": (setup_bitfit, check_bitfit),
     "docs/guide/bitfit.md#1": (setup_bitfit_phases, check_bitfit_phases),

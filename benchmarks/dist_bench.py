@@ -16,9 +16,9 @@ engine reports its own (``engine.communication``).
 The target: the private step's ratio to its non-private counterpart at N = 2 within 1.1x of the ratio at N = 1,
 so communication adds no DP-specific cost.
 
-    python benchmarks/distributed.py                        # GPT-2 (cpu widths) T 128, global batch 16, N 1 and 2
-    python benchmarks/distributed.py --quick                # a smoke run
-    python benchmarks/distributed.py --write-docs           # also regenerates the table in docs/results
+    python benchmarks/dist_bench.py                        # GPT-2 (cpu widths) T 128, global batch 16, N 1 and 2
+    python benchmarks/dist_bench.py --quick                # a smoke run
+    python benchmarks/dist_bench.py --write-docs           # also regenerates the table in docs/results
 
 Results go to ``benchmarks/results/distributed-cpu.json``.
 """
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             rows[n]["ratio_fsdp"] = med["fastdp FSDP2"] / med["non-private FSDP2"]
         print(f"N={n}: " + ", ".join(f"{m} {v * 1e3:.1f} ms" for m, v in med.items())
               + f"; ratio {rows[n]['ratio']:.3f}; bytes/step/rank {timing['bytes_per_step']}")
-    command = " ".join(["python", "benchmarks/distributed.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python", "benchmarks/dist_bench.py", *(argv if argv is not None else sys.argv[1:])])
     result = {"kind": "distributed", "workload": w.describe(), "tag": w.tag, "command": command,
               "env": {"torch": torch.__version__, "threads_per_rank": 1, "cpu_count": os.cpu_count(),
                       "date": time.strftime("%Y-%m-%d")},
