@@ -61,7 +61,11 @@ def _ddp_step(w: zoo.Workload, counter: list[int]):
         return allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, counting_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return _train_step(w, model, torch.optim.SGD(model.parameters(), lr=1e-4))
+
+
+def _train_step(w: zoo.Workload, model: torch.nn.Module, opt: torch.optim.Optimizer, engine=None):
+    """``step(data)``: forward, the workload's loss, backward, optimizer step (``step.engine``: the engine)."""
     forward, loss = zoo.forward_fn(w), zoo.loss_fn(w)
 
     def step(data):
@@ -69,6 +73,7 @@ def _ddp_step(w: zoo.Workload, counter: list[int]):
         loss(forward(model, x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    step.engine = engine  # type: ignore[attr-defined]
     return step
 
 
@@ -96,15 +101,7 @@ def _fsdp_step(w: zoo.Workload, private: bool):
             engine = fastdp.PrivacyEngine(model, batch_size=w.batch, sample_size=100 * w.batch, noise_multiplier=1.0,
                                           max_grad_norm=1.0, accountant="rdp", verify_structure=False)
         engine.attach(opt)
-    forward, loss = zoo.forward_fn(w), zoo.loss_fn(w)
-
-    def step(data):
-        x, y = data
-        loss(forward(model, x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    step.engine = engine  # type: ignore[attr-defined]
-    return step
+    return _train_step(w, model, opt, engine)
 
 
 def _make(w: zoo.Workload, method: str, counter: list[int]):
