@@ -88,13 +88,19 @@ def setup() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
-    rank, world, device = setup()
+def training_data(args: argparse.Namespace) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     float]:
+    """n_train, the training and test sets, and the epochs (``--quick``: 600 examples, half an epoch)."""
     n_train = 600 if args.quick else 20000
     x_train, y_train = make_data(n_train, seed=1)
     x_test, y_test = make_data(1000, seed=2)
-    epochs = 0.5 if args.quick else args.epochs
+    return n_train, x_train, y_train, x_test, y_test, 0.5 if args.quick else args.epochs
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    rank, world, device = setup()
+    n_train, x_train, y_train, x_test, y_test, epochs = training_data(args)
 
     model = make_model().to(device)
     engine = fastdp.PrivacyEngine(model, batch_size=args.batch_size, sample_size=n_train, epochs=epochs,

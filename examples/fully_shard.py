@@ -40,7 +40,7 @@ import fastdp
 from fastdp.data import DistributedPoissonSampler, VirtualBatches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import make_data, make_model, parse_args, setup  # noqa: E402  (the data-parallel example's)
+from distributed import make_model, parse_args, setup, training_data  # noqa: E402  (the data-parallel example's)
 
 
 def micro_batches(batch: tuple[torch.Tensor, torch.Tensor], physical: int, device: torch.device) -> list:
@@ -58,10 +58,7 @@ def micro_batches(batch: tuple[torch.Tensor, torch.Tensor], physical: int, devic
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     rank, world, device = setup()
-    n_train = 600 if args.quick else 20000
-    x_train, y_train = make_data(n_train, seed=1)
-    x_test, y_test = make_data(1000, seed=2)
-    epochs = 0.5 if args.quick else args.epochs
+    n_train, x_train, y_train, x_test, y_test, epochs = training_data(args)
 
     model = make_model().to(device)
     # the structure probe on the unsharded model, in this process (no collectives), at the training input shapes
