@@ -48,6 +48,19 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _init_sampler(sampler: Any, sample_size: int, sample_rate: float | None, batch_size: int | None,
+                  steps: int | None, generator: torch.Generator | None, secure_mode: bool) -> None:
+    """The checked settings both Poisson samplers share: ``sample_size``, ``sample_rate`` (from ``batch_size`` if
+    given), ``steps`` (default ``round(1 / q)``), ``generator``, ``secure_mode``."""
+    sampler.sample_size = _check_positive_int("sample_size", sample_size)
+    sampler.sample_rate = _resolve_rate(sampler.sample_size, sample_rate, batch_size)
+    sampler.steps = (max(1, round(1.0 / sampler.sample_rate)) if steps is None
+                     else _check_positive_int("steps", steps))
+    _check_generator(generator, secure_mode)
+    sampler.generator = generator
+    sampler.secure_mode = bool(secure_mode)
+
+
 def _check_generator(generator: Any, secure_mode: bool) -> None:
     """A sampler's ``generator``: ``None``, or a CPU ``torch.Generator`` without ``secure_mode``."""
     if generator is None:
@@ -108,12 +121,7 @@ class PoissonSampler(Sampler[list[int]]):
     def __init__(self, sample_size: int, sample_rate: float | None = None, batch_size: int | None = None,
                  steps: int | None = None, generator: torch.Generator | None = None,
                  secure_mode: bool = False) -> None:
-        self.sample_size = _check_positive_int("sample_size", sample_size)
-        self.sample_rate = _resolve_rate(self.sample_size, sample_rate, batch_size)
-        self.steps = max(1, round(1.0 / self.sample_rate)) if steps is None else _check_positive_int("steps", steps)
-        _check_generator(generator, secure_mode)
-        self.generator = generator
-        self.secure_mode = bool(secure_mode)
+        _init_sampler(self, sample_size, sample_rate, batch_size, steps, generator, secure_mode)
 
     @property
     def expected_batch_size(self) -> float:

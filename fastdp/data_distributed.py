@@ -123,14 +123,9 @@ class DistributedPoissonSampler(Sampler[list[int]]):
                  steps: int | None = None, generator: torch.Generator | None = None, secure_mode: bool = False, *,
                  rank: int | None = None, world_size: int | None = None, process_group: Any = None,
                  verify: bool = True) -> None:
-        from fastdp.data import _check_generator, _check_positive_int, _resolve_rate  # fastdp.data imports this
+        from fastdp.data import _init_sampler  # fastdp.data imports this module
 
-        self.sample_size = _check_positive_int("sample_size", sample_size)
-        self.sample_rate = _resolve_rate(self.sample_size, sample_rate, batch_size)
-        self.steps = max(1, round(1.0 / self.sample_rate)) if steps is None else _check_positive_int("steps", steps)
-        _check_generator(generator, secure_mode)
-        self.generator = generator
-        self.secure_mode = bool(secure_mode)
+        _init_sampler(self, sample_size, sample_rate, batch_size, steps, generator, secure_mode)
         self.rank, self.world_size, from_dist = _resolve_rank(rank, world_size, process_group)
         #: the global indices this rank samples from
         self.partition = range(self.rank, self.sample_size, self.world_size)
