@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastdp import accounting, sharding
+from fastdp import accounting, shard_noise
 from fastdp.sampling_check import SampleRateMonitor
 
 #: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier;
@@ -45,7 +45,7 @@ def state_dict(engine: Any) -> dict[str, Any]:
             "noise_generator": None if gen is None else gen.get_state(),
             "config": privacy_config(engine), "sampling": rel.sampling.state_dict(),
             "nonfinite_samples": rel.nonfinite_samples, "world_size": engine.world_size, "rank": engine.rank,
-            "sharded_noise": sharding.checkpoint_state(engine),
+            "sharded_noise": shard_noise.checkpoint_state(engine),
             "adaptive_clipping": None if engine._adaptive is None else engine._adaptive.state_dict()}
 
 
@@ -115,7 +115,7 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
     if gen is not None and engine.noise_generator is None:
         raise ValueError("the saved state has a noise generator state; build the engine with "
                          "noise_generator=torch.Generator(...) to resume the same noise stream")
-    apply_sharded = sharding.check_checkpoint_state(engine, state.get("sharded_noise"))
+    apply_sharded = shard_noise.check_checkpoint_state(engine, state.get("sharded_noise"))
     adaptive = None  # adaptive clipping: R_t recomputed from the released noisy fractions, never read
     if engine._adaptive is not None:
         adaptive = engine._adaptive.check_state(state.get("adaptive_clipping"), steps)
