@@ -58,7 +58,8 @@ class Preset:
 def _main(name: str, widths: str) -> Preset:
     return Preset(name, "steps", f"every method on every main model and size ({widths} widths)",
                   ALL_STEP_METHODS, tuple((m, zoo.DEFAULT_SIZES[m], None, widths)
-                                          for m in ("gpt2", "roberta", "vit", "resnet")), targets=True)
+                                          for m in ("gpt2", "roberta", "vit", "resnet", "tinycls")
+                                          if m in zoo.WIDTHS[widths]), targets=True)
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (

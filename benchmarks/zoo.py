@@ -33,7 +33,7 @@ from torch import nn
 
 from fastdp.modes import CLIPPING_MODES as _MODES
 
-TEXT_MODELS = ("gpt2", "roberta", "tinylm")
+TEXT_MODELS = ("gpt2", "roberta", "tinylm", "tinycls")
 IMAGE_MODELS = ("vit", "resnet", "cnn")
 MODELS = TEXT_MODELS + IMAGE_MODELS
 FASTDP_MODES: tuple[str, ...] = tuple(_MODES)
@@ -46,18 +46,20 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS)
 DEFAULT_SIZES = {"gpt2": (64, 256, 1024), "roberta": (64, 256, 1024), "vit": (32, 64, 128),
-                 "resnet": (32, 64, 128), "tinylm": (64, 128), "cnn": (32,)}
+                 "resnet": (32, 64, 128), "tinylm": (64, 128), "tinycls": (64, 128, 256), "cnn": (32,)}
 #: (vocab or classes, width d, layers, heads, ViT patch) per width set; a set need not define every model
 WIDTHS = {
     "cpu": {"gpt2": (8000, 256, 4, 4, 0), "roberta": (8000, 256, 4, 4, 0), "vit": (10, 192, 4, 3, 8),
-            "resnet": (10, 0, 0, 0, 0), "tinylm": (8000, 256, 4, 4, 0), "cnn": (10, 16, 0, 0, 0)},
+            "resnet": (10, 0, 0, 0, 0), "tinylm": (8000, 256, 4, 4, 0), "tinycls": (8000, 256, 4, 4, 0),
+            "cnn": (10, 16, 0, 0, 0)},
     "paper": {"gpt2": (50257, 768, 12, 12, 0), "roberta": (50265, 768, 12, 12, 0), "vit": (10, 768, 12, 12, 16),
               "resnet": (10, 0, 0, 0, 0)},
     "wide": {"gpt2": (8000, 768, 2, 12, 0)},
     "p16": {"vit": (10, 192, 4, 3, 16)},
     "probe": {"gpt2": (256, 64, 2, 4, 0)},
     "tiny": {"gpt2": (50, 16, 1, 2, 0), "roberta": (50, 16, 1, 2, 0), "vit": (10, 16, 1, 2, 4),
-             "resnet": (10, 0, 0, 0, 0), "tinylm": (50, 16, 1, 2, 0), "cnn": (10, 4, 0, 0, 0)},
+             "resnet": (10, 0, 0, 0, 0), "tinylm": (50, 16, 1, 2, 0), "tinycls": (50, 16, 1, 2, 0),
+             "cnn": (10, 4, 0, 0, 0)},
 }
 
 
@@ -99,7 +101,7 @@ class Workload:
 
     @property
     def is_transformer(self) -> bool:
-        return self.model in ("gpt2", "roberta", "vit", "tinylm")
+        return self.model in ("gpt2", "roberta", "vit", "tinylm", "tinycls")
 
     def describe(self) -> str:
         vocab, d, layers, heads, patch = WIDTHS[self.widths][self.model]
@@ -113,6 +115,9 @@ class Workload:
         if self.model == "tinylm":
             return (f"plain-torch LM (Embedding/Linear/LayerNorm, vocab {vocab}, d {d}, {layers} layers, {heads} "
                     f"heads), T {self.size}")
+        if self.model == "tinycls":
+            return (f"plain-torch classifier (untied Embedding, separate q/k/v Linear, LayerNorm, 2-class head; vocab "
+                    f"{vocab}, d {d}, {layers} layers, {heads} heads), T {self.size}")
         if self.model == "cnn":
             return f"small CNN (2 conv + GroupNorm + linear, {d} channels), {self.size}x{self.size} images"
         return f"timm ResNet-18 with GroupNorm, {self.size}x{self.size} images"
@@ -135,6 +140,8 @@ def make_model(w: Workload) -> nn.Module:
     vocab, d, layers, heads, patch = WIDTHS[w.widths][w.model]
     if w.model == "tinylm":
         return TinyLM(vocab, d, layers, heads, w.size).train()
+    if w.model == "tinycls":
+        return TinyClassifier(vocab, d, layers, heads, w.size, classes=2).train()
     if w.model == "cnn":
         return nn.Sequential(nn.Conv2d(3, d, 3, padding=1), nn.GroupNorm(4, d), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(d, 2 * d, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
@@ -209,6 +216,43 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class _QKVBlock(nn.Module):
+    """Post-norm encoder block as people write it in plain torch: separate ``q``, ``k``, ``v`` projections of one
+    input, bidirectional SDPA, an output projection and a GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = (m(x).reshape(B, T, self.heads, d // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, d)
+        x = self.ln1(x + self.o(att))
+        return self.ln2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+class TinyClassifier(nn.Module):
+    """A sequence classifier of torch layers only: untied token and position embeddings, :class:`_QKVBlock` s, the
+    first token's state through a small head. ids (B, T) -> logits (B, classes)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, max_len: int, classes: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(_QKVBlock(d, heads) for _ in range(layers))
+        self.head = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, classes))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device).expand(B, T))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x[:, 0])
+
+
 def forward_fn(w: Workload) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     """``forward(model, inputs) -> logits``."""
     if w.model in ("gpt2", "roberta"):
@@ -228,7 +272,7 @@ def make_batch(w: Workload, device: torch.device, seed: int = 1) -> tuple[torch.
     if w.model in ("gpt2", "tinylm"):
         ids = torch.randint(0, vocab, (w.batch, w.size + 1), generator=g)
         x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    elif w.model == "roberta":
+    elif w.model in ("roberta", "tinycls"):
         x = torch.randint(3, vocab, (w.batch, w.size), generator=g)
         y = torch.randint(0, 2, (w.batch,), generator=g)
     else:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fastdp.clipping import ClipFn
+from fastdp.layers._matmul import shared_input_grams
 from fastdp.layers.base import accumulation_dtype, replay_autocast
 from fastdp.modes import ClippingMode
 from fastdp.norms import batch_size_of, norm_sq, per_sample_grad, shared_norm_sq, use_ghost
@@ -142,21 +143,10 @@ def _sanitize(rec: Record, bad: torch.Tensor) -> None:
     rec.ctx = None
 
 
-def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
-                  cfg: ClipConfig, stream: Any = None) -> BackwardResult:
-    B = batch_size_of(records)
-    scale = float(B) if cfg.mean_reduction else 1.0
-    if cfg.loss_scale is not None:  # captured gradients are S times the loss's: C_i from ||g_i|| = ||captured_i|| / S
-        scale /= float(cfg.loss_scale())
-    mode = cfg.mode
-
-    uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
-    for rec in records:
-        if rec.ctx is None and rec.psg is None:
-            rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
-        for name in sorted(rec.names):
-            uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
-
+def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMode
+           ) -> tuple[dict[nn.Parameter, torch.Tensor], dict[nn.Parameter, torch.Tensor], dict[int, str]]:
+    """Step 1: ``||g_i||^2`` per parameter (``sq_of``), the instantiated per-sample gradients kept for step 3
+    (``kept``) and how each norm was formed (``how``, by ``id(param)``)."""
     sq_of: dict[nn.Parameter, torch.Tensor] = {}
     kept: dict[nn.Parameter, torch.Tensor] = {}  # instantiated per-sample gradients kept for step 3
     how: dict[int, str] = {}
@@ -183,6 +173,26 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             sq_of[param] = norm_sq(psg)
             if mode.keeps_instantiated or not kind.replayable:
                 kept[param] = psg
+    return sq_of, kept, how
+
+
+def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
+                  cfg: ClipConfig, stream: Any = None) -> BackwardResult:
+    B = batch_size_of(records)
+    scale = float(B) if cfg.mean_reduction else 1.0
+    if cfg.loss_scale is not None:  # captured gradients are S times the loss's: C_i from ||g_i|| = ||captured_i|| / S
+        scale /= float(cfg.loss_scale())
+    mode = cfg.mode
+
+    uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
+    for rec in records:
+        if rec.ctx is None and rec.psg is None:
+            rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+        for name in sorted(rec.names):
+            uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
+
+    with shared_input_grams():  # q, k, v of one block: one input Gram
+        sq_of, kept, how = _norms(uses, mode)
 
     # Step 2: per-group norms and factors.
     group_sq: dict[int, torch.Tensor] = {}

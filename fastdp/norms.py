@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fastdp.layers import _factored
-from fastdp.layers.base import LayerKind
+from fastdp.layers.base import LayerKind, accumulation_dtype
 from fastdp.modes import ClippingMode
 from fastdp.records import Record
 
@@ -81,9 +81,47 @@ def batch_size_of(records: list[Record]) -> int:
     return distinct.pop()
 
 
+#: rows of at most this many elements get one fused norm each (:func:`norm_sq`); longer rows are cut into pieces
+_ROW = 4096
+
+
 def norm_sq(t: torch.Tensor) -> torch.Tensor:
-    """``||t_i||^2`` per sample of a ``(B, *shape)`` tensor (``shape`` may be empty: a scalar parameter)."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).square().sum(dim=1)
+    """``||t_i||^2`` per sample of a ``(B, *shape)`` tensor (``shape`` may be empty: a scalar parameter), shape
+    ``(B,)``, in at least float32.
+
+    ``torch.linalg.vector_norm`` reads ``t`` once and allocates no full-size temporary (``t.square().sum()`` writes
+    a second copy of every per-sample gradient: memory-bound, and on CPU a fresh allocation of that size is paid
+    in page faults). Its single-pass accumulation loses accuracy on very long rows, so a sample's ``n`` entries are
+    taken as rows of at most about :data:`_ROW` elements (the tensor's own trailing dimensions where they fit),
+    normed one by one and the squared row norms summed: the accuracy of ``square().sum()``, at the speed of the
+    fused kernel.
+    """
+    B = t.shape[0]
+    n = math.prod(t.shape[1:])
+    dtype = accumulation_dtype(t.dtype)
+    if n == 0:
+        return t.new_zeros(B, dtype=dtype)
+    rows = _row_length(t.shape[1:], n)
+    if rows is None:  # no row length that divides n: the two-pass form
+        return t.reshape(B, n).to(dtype).square().sum(dim=1)
+    norms = torch.linalg.vector_norm(t.reshape(B, n // rows, rows), dim=2, dtype=dtype)
+    return norms.square().sum(dim=1)
+
+
+def _row_length(shape: tuple[int, ...] | torch.Size, n: int) -> int | None:
+    """A row length ``r`` dividing ``n`` with ``r <= _ROW`` (``n`` itself when small): the product of the trailing
+    dimensions of ``shape`` while it stays under :data:`_ROW`, else 1024 when it divides ``n``; ``None`` if
+    neither works."""
+    if n <= _ROW:
+        return n
+    r = 1
+    for size in reversed(tuple(shape)):
+        if r * size > _ROW:
+            break
+        r *= size
+    if r >= 256:
+        return r
+    return 1024 if n % 1024 == 0 else None
 
 
 def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode) -> torch.Tensor | None:

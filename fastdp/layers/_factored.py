@@ -26,6 +26,7 @@ gradient at the input tokens).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,15 @@ def inner(u: Factors, v: Factors, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"factored gradients of layouts {u.layout} and {v.layout} cannot be paired")
     gl = gram(u.left, v.left, dtype)
     gr = gram(u.right, v.right, dtype)
-    B = gl.shape[0]
-    n = gl.shape[1] * gl.shape[2] * gl.shape[3]  # explicit: B may be 0 (empty batch)
-    return torch.bmm(gl.reshape(B, 1, n), gr.reshape(B, n, 1)).reshape(B)
+    return gram_inner(gl, gr)
+
+
+def gram_inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``<a_i, b_i>`` per sample of two ``(B, ...)`` tensors of one shape (Gram matrices), shape ``(B,)``.
+
+    ``torch.linalg.vecdot`` over the flattened sample. (A batched ``(1 x n) @ (n x 1)`` product, ``bmm``, is a
+    matrix-vector shape that CPU BLAS ran about 50 times slower than this multiply-and-sum: benchmarks/levers.py.)
+    """
+    B = a.shape[0]
+    n = math.prod(a.shape[1:])  # explicit: B may be 0 (empty batch)
+    return torch.linalg.vecdot(a.reshape(B, n), b.reshape(B, n), dim=1)

@@ -20,11 +20,15 @@ default mode also instantiates when ``p d <= T (p + d)`` (:func:`instantiation_f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from fastdp.layers import _factored
 from fastdp.layers._factored import Factors
 from fastdp.layers.base import LayerKind, to_accumulation
 
@@ -51,12 +55,40 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
         return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
-    B = A.shape[0]
-    aat = torch.matmul(A, A.transpose(-1, -2))
+    aat = input_gram(A)
     ggt = torch.matmul(G, G.transpose(-1, -2))
-    # <aat, ggt> per sample as one batched dot product (no elementwise temporary)
-    n = aat.shape[1] * aat.shape[2] * aat.shape[3]  # explicit: B may be 0 (empty batch)
-    return torch.bmm(aat.reshape(B, 1, n), ggt.reshape(B, n, 1)).reshape(B)
+    return _factored.gram_inner(aat, ggt)
+
+
+#: the input Gram matrices of one clipping pass, keyed by the input's storage and view (None: no sharing)
+_input_grams: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastdp_input_grams", default=None)
+#: whether :func:`shared_input_grams` shares them (a switch for benchmarks/levers.py's A/B, always on otherwise)
+SHARE_INPUT_GRAMS = True
+
+
+@contextlib.contextmanager
+def shared_input_grams() -> Iterator[None]:
+    """Within this context, layers that read the same input tensor (the ``q``, ``k``, ``v`` projections of one
+    attention block) share one input Gram ``A_i A_i^T`` in their ghost norms instead of forming one each. The
+    cache lives for the context (one pass of per-sample norms) and is freed when it ends."""
+    token = _input_grams.set({} if SHARE_INPUT_GRAMS else None)
+    try:
+        yield
+    finally:
+        _input_grams.reset(token)
+
+
+def input_gram(A: torch.Tensor) -> torch.Tensor:
+    """``A_i A_i^T`` per sample and group, ``(B, g, T, T)``, from the pass's cache when the same input (same
+    storage, offset, shape, strides, dtype and version counter) was seen already."""
+    cache = _input_grams.get()
+    if cache is None:
+        return torch.matmul(A, A.transpose(-1, -2))
+    key = (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version)
+    gram = cache.get(key)
+    if gram is None:
+        gram = cache[key] = torch.matmul(A, A.transpose(-1, -2))
+    return gram
 
 
 def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:

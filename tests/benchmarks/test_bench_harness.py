@@ -50,27 +50,39 @@ def test_max_batch_search_none_when_nothing_fits(monkeypatch):
     assert run.max_batch(argparse.Namespace(), zoo.Workload("gpt2", 64, 8), "x", cap=64) is None
 
 
-def _result(default_t, default_m, opacus_t, bitfit_t, model="gpt2", size=64):
+def _result(default_t, default_m, opacus_t, bitfit_t, model="gpt2", size=64, bitfit_m=None):
     w = zoo.Workload(model, size, 4)
     methods = {"non-private": {"median_s": 1.0, "time_ratio": 1.0, "memory_mb": 100.0, "memory_ratio": 1.0},
+               "non-private BiTFiT": {"median_s": 0.5, "time_ratio": 0.5, "memory_mb": 50.0, "memory_ratio": 0.5},
                zoo.DEFAULT_METHOD: {"median_s": default_t, "time_ratio": default_t, "memory_mb": 100 * default_m,
                                     "memory_ratio": default_m},
                "Opacus hooks": {"median_s": opacus_t, "time_ratio": opacus_t},
                "Opacus ghost": {"unsupported": "reason"},
-               "DP-BiTFiT": {"median_s": bitfit_t, "time_ratio": bitfit_t}}
+               "DP-BiTFiT": {"median_s": bitfit_t, "time_ratio": bitfit_t, "memory_mb": bitfit_m or 50 * bitfit_t / 0.5,
+                             "memory_ratio": (bitfit_m or 50 * bitfit_t / 0.5) / 100}}
     return {"workload": {"model": model, "size": size, "batch": 4, "widths": "cpu"}, "tag": w.tag,
             "describe": w.describe(), "tokens": w.tokens, "methods": methods}
 
 
 def test_targets_are_checked_against_the_thresholds():
-    ok = tables.evaluate_targets({"workloads": [_result(1.1, 1.05, 2.0, 0.6)]})
-    assert [t["met"] for t in ok] == [True, True, True, True]
-    bad = tables.evaluate_targets({"workloads": [_result(1.3, 1.25, 1.5, 0.75)]})
-    assert [t["met"] for t in bad] == [False, False, False, False]
-    # T > 256 and ResNet: no <= 1.2x check
-    long = tables.evaluate_targets({"workloads": [_result(1.3, 1.3, 2.0, 0.6, size=1024),
-                                               _result(1.3, 1.3, 2.0, 0.6, model="resnet", size=32)]})
-    assert not any("1.2x" in t["target"] for t in long)
+    # default time 1.08x, memory 1.05x, 2x faster than Opacus hooks, DP-BiTFiT 1.04x non-private BiTFiT
+    ok = tables.evaluate_targets({"workloads": [_result(1.08, 1.05, 2.16, 0.52)]})
+    assert [t["met"] for t in ok] == [True] * 5, ok
+    bad = tables.evaluate_targets({"workloads": [_result(1.15, 1.12, 1.5, 0.55, bitfit_m=60.0)]})
+    assert [t["met"] for t in bad] == [False] * 5, bad
+    assert {t["target"].split(" <=")[0].split(" >=")[0] for t in bad} == {
+        "default mode step time", "default mode peak memory growth", "default mode", "DP-BiTFiT time",
+        "DP-BiTFiT memory"}
+    # T < 64 text: no transformer check; ResNet: its own 1.4x limit; the ViT at every size
+    short = tables.evaluate_targets({"workloads": [_result(1.3, 1.3, 2.0, 0.5, size=32)]})
+    assert not any(t["target"].startswith("default mode step") for t in short)
+    resnet = tables.evaluate_targets({"workloads": [_result(1.3, 1.5, 2.0, 0.5, model="resnet", size=32)]})
+    assert [(t["target"], t["met"]) for t in resnet if "1.4x non-private" in t["target"]] == [
+        ("default mode step time <= 1.4x non-private (ResNet-GroupNorm)", True),
+        ("default mode peak memory growth <= 1.4x non-private (ResNet-GroupNorm)", False)]
+    vit = tables.evaluate_targets({"workloads": [_result(1.3, 1.0, 2.0, 0.5, model="vit", size=32)]})
+    assert ("default mode step time <= 1.1x non-private (transformers, T >= 64)", False) in [
+        (t["target"], t["met"]) for t in vit]
 
 
 def test_reports_render_every_row(tmp_path):
@@ -83,7 +95,7 @@ def test_reports_render_every_row(tmp_path):
     tables.write_csv(res, tmp_path / "r.csv")
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert "Targets" in text and "checks met" in text
-    assert len(rows) == 5 and {r["status"] for r in rows} == {"ok", "not supported: reason"}
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok", "not supported: reason"}
 
 
 def test_timing_worker_runs_fastdp_and_baselines_on_a_tiny_workload():

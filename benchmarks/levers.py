@@ -1,0 +1,153 @@
+"""A/B of the engine's performance levers: each lever's previous implementation against the current one, in one
+process, alternating single steps with non-private training (``python benchmarks/levers.py``).
+
+A *lever* is a change in fastdp made for speed or memory that must not change what is released. Its "before" is
+kept here, as the code it replaced, and installed by patching fastdp's module attributes for the steps measured
+"before"; the "after" is fastdp as it is. Every round takes one step of each configuration, in an order that
+rotates each round, after warm-up steps; the table reports median step times and their ratio to non-private.
+
+Usage::
+
+    python benchmarks/levers.py                                   # every lever on the default workloads
+    python benchmarks/levers.py --levers fused-norms --models tinycls --sizes 128 --reps 9
+    python benchmarks/levers.py --json results/levers.json        # also save the raw times
+
+Levers:
+
+* ``fused-norms``: per-sample squared norms with ``torch.linalg.vector_norm`` over rows (``fastdp.norms.norm_sq``)
+  and Gram inner products with ``torch.linalg.vecdot``; before: ``t.square().sum()`` (a full-size temporary) and a
+  batched ``(1 x n) @ (n x 1)`` ``bmm``.
+* ``shared-gram``: one input Gram matrix for the layers that read the same input tensor (q, k, v of an attention
+  block), cached for one pass of per-sample norms (``fastdp.layers._matmul.shared_input_grams``); before: one per
+  layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import zoo
+
+import fastdp.clipped_sums
+import fastdp.layers._factored
+import fastdp.layers._matmul
+
+
+# ------------------------------------------------------------------------------------------ the "before" code
+def _norm_sq_before(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).square().sum(dim=1)
+
+
+def _gram_inner_before(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    B = a.shape[0]
+    n = math.prod(a.shape[1:])
+    return torch.bmm(a.reshape(B, 1, n), b.reshape(B, n, 1)).reshape(B)
+
+
+@contextlib.contextmanager
+def _patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def _fused_norms_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.clipped_sums, "norm_sq", _norm_sq_before),
+                     (fastdp.layers._factored, "gram_inner", _gram_inner_before)])
+
+
+def _shared_gram_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.layers._matmul, "SHARE_INPUT_GRAMS", False)])
+
+
+LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "fused-norms": _fused_norms_before,
+    "shared-gram": _shared_gram_before,
+}
+
+DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 256), ("gpt2", 256), ("vit", 64))
+
+
+def measure(w: zoo.Workload, levers: list[str], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Median-ready step times: ``{"non-private": [...], "<lever> before": [...], "after": [...]}``."""
+    device = torch.device("cpu")
+    data = zoo.make_batch(w, device)
+    configs: dict[str, tuple[Callable, Callable[[], contextlib.AbstractContextManager]]] = {
+        "non-private": (zoo.make_step(w, "non-private", device), contextlib.nullcontext),
+        "after": (zoo.make_step(w, zoo.DEFAULT_METHOD, device), contextlib.nullcontext),
+    }
+    for lever in levers:
+        configs[f"{lever} before"] = (zoo.make_step(w, zoo.DEFAULT_METHOD, device), LEVERS[lever])
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(configs)
+    for r in range(warmup + reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step, ctx = configs[name]
+            with ctx():
+                t0 = time.perf_counter()
+                step(data)
+                dt = time.perf_counter() - t0
+            if r >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    p.add_argument("--models", nargs="+", default=None, choices=zoo.MODELS)
+    p.add_argument("--sizes", nargs="+", type=int, default=None)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="tiny widths, size 16, batch 2, one round (a smoke test)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    workloads = [(m, s) for m, s in DEFAULT_WORKLOADS if not args.models or m in args.models]
+    if args.models and not workloads:
+        workloads = [(m, s) for m in args.models for s in (args.sizes or (zoo.DEFAULT_SIZES[m][0],))]
+    if args.sizes:
+        workloads = list(dict.fromkeys((m, s) for m, _ in workloads for s in args.sizes))
+    results = {}
+    print(f"| workload | non-private | {' | '.join(f'{lv} before' for lv in args.levers)} | after | "
+          f"{' | '.join(f'{lv} gain' for lv in args.levers)} |")
+    print("|---" * (3 + 2 * len(args.levers)) + "|")
+    for model, size in workloads:
+        if args.quick:
+            w = zoo.Workload(model, 16, 2, "tiny")
+            reps, warmup = 1, 0
+        else:
+            w = zoo.Workload(model, size, zoo.default_batch(model, size, "cpu"))
+            reps, warmup = args.reps, args.warmup
+        times = measure(w, args.levers, reps, warmup)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        base = med["non-private"]
+        cells = [f"{med['non-private'] * 1e3:.0f} ms"]
+        cells += [f"{med[f'{lv} before'] / base:.3f}x" for lv in args.levers]
+        cells += [f"{med['after'] / base:.3f}x"]
+        cells += [f"{med[f'{lv} before'] / med['after']:.3f}" for lv in args.levers]
+        print(f"| {w.tag} | {' | '.join(cells)} |", flush=True)
+        results[w.tag] = times
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, "times_s": results},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
