@@ -127,13 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| workload | non-private | {' | '.join(f'{lv} before' for lv in args.levers)} | after | "
           f"{' | '.join(f'{lv} gain' for lv in args.levers)} |")
     print("|---" * (3 + 2 * len(args.levers)) + "|")
-    for model, size in workloads:
-        if args.quick:
-            w = zoo.Workload(model, 16, 2, "tiny")
-            reps, warmup = 1, 0
-        else:
-            w = zoo.Workload(model, size, zoo.default_batch(model, size, "cpu"))
-            reps, warmup = args.reps, args.warmup
+    if args.quick:
+        chosen = list(dict.fromkeys(zoo.Workload(m, 16, 2, "tiny") for m, _ in workloads))
+        reps, warmup = 1, 0
+    else:
+        chosen = [zoo.Workload(m, s, zoo.default_batch(m, s, "cpu")) for m, s in workloads]
+        reps, warmup = args.reps, args.warmup
+    for w in chosen:
         times = measure(w, args.levers, reps, warmup)
         med = {k: statistics.median(v) for k, v in times.items()}
         base = med["non-private"]

@@ -224,3 +224,18 @@ def test_the_docs_tables_are_what_the_saved_results_give():
 def test_a_model_the_preset_lacks_is_named(tmp_path):
     with pytest.raises(SystemExit, match="preset 'engine' has no workload.*'tinylm'"):
         run.main(["--preset", "engine", "--models", "gpt2", "--in-process", "--results-dir", str(tmp_path)])
+
+
+def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
+    import levers
+
+    import fastdp.clipped_sums
+    import fastdp.layers._matmul
+
+    before = (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS)
+    levers.main(["--quick", "--models", "tinycls", "--json", str(tmp_path / "l.json")])
+    out = capsys.readouterr().out
+    assert out.count("| tinycls-tiny-T16-B2 |") == 1 and "fused-norms gain" in out and "shared-gram gain" in out
+    saved = json.loads((tmp_path / "l.json").read_text())["times_s"]["tinycls-tiny-T16-B2"]
+    assert set(saved) == {"non-private", "after", "fused-norms before", "shared-gram before"}
+    assert (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS) == before

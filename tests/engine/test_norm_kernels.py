@@ -1,0 +1,134 @@
+"""The per-sample norm kernels of the performance issue (15): fused row norms (``fastdp.norms.norm_sq``), Gram inner
+products (``fastdp.layers._factored.gram_inner``) and one input Gram shared by layers that read the same input
+(``fastdp.layers._matmul.shared_input_grams``). Each must release what the batch-of-one oracle releases; the
+kernels are also checked against the plain formulas they replaced, including the shapes that take other branches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracle import assert_grads_close, ce_per_sample, oracle_release, run_engine_once
+from torch import nn
+
+from fastdp import norms
+from fastdp.layers import _factored, _matmul
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.double().reshape(t.shape[0], math.prod(t.shape[1:])).square().sum(dim=1)
+
+
+@pytest.mark.parametrize("shape", [
+    (4,), (4, 3), (4, 5000), (4, 300, 300), (4, 7, 4099), (4, 64, 3, 3, 3), (0, 10, 10), (3, 0), (4, 5121),
+    (2, 2048, 3), (1, 1 << 18)])
+def test_norm_sq_equals_the_sum_of_squares(shape):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(*shape, generator=g, dtype=torch.float64) * 3
+    want = _plain(t)
+    got = norms.norm_sq(t)
+    assert got.shape == (shape[0],) and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    # float32: as accurate as the two-pass sum (the row split keeps single-pass accumulation short)
+    got32 = norms.norm_sq(t.float())
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), want, rtol=2e-6, atol=1e-30)
+
+
+def test_norm_sq_row_split_keeps_float32_accuracy_on_long_rows():
+    # one sample of 2^20 entries: an unsplit single-pass vector_norm drifts past 1e-6 relative here
+    t = torch.randn(2, 1 << 20, generator=torch.Generator().manual_seed(1)) * 3
+    rel = ((norms.norm_sq(t).double() - _plain(t)) / _plain(t)).abs().max()
+    assert rel < 1e-6, rel
+
+
+def test_norm_sq_propagates_nonfinite_values_and_upcasts_half():
+    t = torch.randn(4, 10000)
+    t[1, 5], t[2, 7] = float("nan"), float("inf")
+    out = norms.norm_sq(t)
+    assert torch.isnan(out[1]) and torch.isinf(out[2]) and torch.isfinite(out[[0, 3]]).all()
+    half = torch.randn(3, 5000).half()
+    assert norms.norm_sq(half).dtype == torch.float32
+    torch.testing.assert_close(norms.norm_sq(half).double(), _plain(half.float()), rtol=1e-6, atol=0)
+
+
+def test_row_length_choices():
+    assert norms._row_length((10,), 10) == 10  # small: one row
+    assert norms._row_length((300, 300), 90000) == 300  # the trailing dimension
+    assert norms._row_length((64, 3, 3, 3), 1728) == 1728
+    assert norms._row_length((2048, 3, 3), 18432) == 1024  # 9 < 256: fall back to rows of 1024
+    assert norms._row_length((4, 1024), 4096 * 1) == 4096
+    assert norms._row_length((7, 4099), 28693) is None  # a trailing row over 4096 that 1024 does not divide
+    assert norms._row_length((5121,), 5121) is None  # neither: the two-pass form
+
+
+def test_gram_inner_is_the_per_sample_dot_product():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(5, 2, 7, 7, generator=g, dtype=torch.float64)
+    b = torch.randn(5, 2, 7, 7, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(_factored.gram_inner(a, b), (a * b).sum(dim=(1, 2, 3)), rtol=1e-13, atol=0)
+    empty = torch.zeros(0, 1, 3, 3)
+    assert _factored.gram_inner(empty, empty).shape == (0,)
+
+
+class Attention(nn.Module):
+    """Separate q, k, v projections of one input (the case the shared input Gram is for), then a head."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d, bias=False)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        att = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / x.shape[-1] ** 0.5, dim=-1)
+        return self.head(att @ self.v(x))
+
+
+@pytest.fixture
+def gram_calls(monkeypatch):
+    """Count the input Grams formed and the ones taken from the cache."""
+    counts = {"formed": 0, "shared": 0}
+    real_input_gram = _matmul.input_gram
+
+    def counting(A):
+        cache = _matmul._input_grams.get()
+        key = None if cache is None else (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version)
+        counts["shared" if key is not None and key in cache else "formed"] += 1
+        return real_input_gram(A)
+
+    monkeypatch.setattr(_matmul, "input_gram", counting)
+    return counts
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("B", [1, 4, 6])  # B = 6 = T: a batch size equal to another dimension
+@pytest.mark.parametrize("R", [0.05, 1e3])
+def test_q_k_v_share_one_input_gram_exactly(share, B, R, gram_calls, monkeypatch):
+    # T = 6, d = 16: 2 T^2 = 72 < p d = 256 and p d > T (p + d) = 192: q, k, v take the ghost norm
+    monkeypatch.setattr(_matmul, "SHARE_INPUT_GRAMS", share)
+    torch.manual_seed(0)
+    model = Attention(16).double()
+    g = torch.Generator().manual_seed(B)
+    x = torch.randn(B, 6, 16, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (B, 6), generator=g)
+    want = oracle_release(model, ce_per_sample, [(x, y)], fn="abadi", R=R, batch_size=B)
+    _, _, got = run_engine_once(model, ce_per_sample, [(x, y)], batch_size=B, R=R, fn="abadi", style="all-layer",
+                                mode="BK-MixOpt", reduction="mean", verify_structure=False)
+    assert_grads_close(got, want)
+    # q, k and v read one input: with sharing one Gram is formed and reused twice; without, three are formed
+    assert (gram_calls["formed"], gram_calls["shared"]) == ((1, 2) if share else (3, 0))
+
+
+def test_the_gram_cache_lives_for_one_pass_only():
+    A = torch.randn(2, 1, 3, 4)
+    assert _matmul._input_grams.get() is None
+    with _matmul.shared_input_grams():
+        first = _matmul.input_gram(A)
+        assert _matmul.input_gram(A) is first  # same tensor: the cached Gram
+        A.mul_(2)  # an in-place change bumps the version counter: a new Gram, not the stale one
+        torch.testing.assert_close(_matmul.input_gram(A), A @ A.transpose(-1, -2))
+        assert _matmul.input_gram(A.clone()) is not first  # another storage
+    assert _matmul._input_grams.get() is None  # freed with the context
+    assert _matmul.input_gram(A) is not _matmul.input_gram(A)  # outside: never cached
