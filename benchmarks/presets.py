@@ -55,16 +55,22 @@ class Preset:
         return list(dict.fromkeys(out))
 
 
+def _main_workloads(widths: str) -> tuple[tuple[str, tuple[int, ...], None, str], ...]:
+    return tuple((m, zoo.DEFAULT_SIZES[m], None, widths) for m in ("gpt2", "roberta", "vit", "resnet", "tinycls")
+                 if m in zoo.WIDTHS[widths])
+
+
 def _main(name: str, widths: str) -> Preset:
     return Preset(name, "steps", f"every method on every main model and size ({widths} widths)",
-                  ALL_STEP_METHODS, tuple((m, zoo.DEFAULT_SIZES[m], None, widths)
-                                          for m in ("gpt2", "roberta", "vit", "resnet", "tinycls")
-                                          if m in zoo.WIDTHS[widths]), targets=True)
+                  ALL_STEP_METHODS, _main_workloads(widths), targets=True)
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     _main("cpu", "cpu"),
     _main("paper", "paper"),
+    Preset("targets", "steps", "the performance targets (issue 15): the default mode and DP-BiTFiT against non-private "
+           "full and BiTFiT training on every main model and size (cpu widths)",
+           ("non-private", D, "non-private BiTFiT", "DP-BiTFiT"), _main_workloads("cpu"), targets=True),
     Preset("engine", "steps", "every clipping mode on a language model of plain torch layers (no HF code)",
            ("non-private", *(f"fastdp {m}" for m in zoo.FASTDP_MODES), "non-private BiTFiT", "DP-BiTFiT"),
            (("tinylm", (64,), 32, "cpu"), ("tinylm", (128,), 16, "cpu")), reps=5, warmup=2),

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import presets  # noqa: E402
 import zoo  # noqa: E402
 
 logger = logging.getLogger("benchmarks.tables")
@@ -285,7 +286,7 @@ def render(results: dict, view: str | None = None) -> str:
         return render_trend(results)
     if preset == "on-arrival":
         return render_on_arrival(results)
-    return render_steps(results, targets=preset in ("cpu", "paper"))
+    return render_steps(results, targets=presets.PRESETS[preset].targets if preset in presets.PRESETS else False)
 
 
 # ---------------------------------------------------------------------------------------------------- files

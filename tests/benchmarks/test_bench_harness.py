@@ -136,6 +136,7 @@ QUICK = {  # (extra arguments, what a row must hold) per preset; Opacus is left 
              "DP-BiTFiT"], "times_s"),
     "paper": (["--models", "roberta", "--methods", "non-private", zoo.DEFAULT_METHOD], "times_s"),
     "engine": (["--no-memory"], "times_s"),
+    "targets": (["--models", "tinycls", "roberta"], "memory_mb"),
     "models": (["--models", "gpt2", "vit"], "memory_mb"),
     "bitfit-trend": ([], "times_s"),
     "on-arrival": ([], "times_s"),
