@@ -25,16 +25,24 @@ from fastdp.dpfp.accounting import (
     paper_mu_tot,
     paper_noise_multiplier,
 )
+from fastdp.dpfp.forward_pass import DPForwardPass, DPFPPrivacy, UncoveredTrainingError
 from fastdp.dpfp.noise_layer import NoiseHandle, RepresentationNoise, insert_noise
+from fastdp.dpfp.sampling import MicroBatchSampler, StepSampler, micro_batch_loader
 
 __all__ = [
     "ADJACENCY",
+    "DPFPPrivacy",
+    "DPForwardPass",
+    "MicroBatchSampler",
     "NoiseHandle",
     "RepresentationNoise",
+    "StepSampler",
+    "UncoveredTrainingError",
     "dpfp_delta",
     "dpfp_epsilon",
     "dpfp_noise_multiplier",
     "insert_noise",
+    "micro_batch_loader",
     "paper_epsilon",
     "paper_mu_tot",
     "paper_noise_multiplier",
