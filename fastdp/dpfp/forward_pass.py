@@ -140,7 +140,60 @@ class DPForwardPass:
         self.uncovered = False
         self.check()
         where, name = ("input", head) if noise_at is None else ("output", noise_at)
-        self.handle = insert_noise(model, name, self.noise, where=where, check=self.check)
+        self._gate = _ProbeGate(self.noise)
+        self.handle = insert_noise(model, name, self._gate, where=where, check=self.check)
+        self.path_verified = False
+        self._root_hook = model.register_forward_hook(self._verify_hook, with_kwargs=True)
+
+    # ------------------------------------------------------------------------------------- path probe
+    def _verify_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self.path_verified or self._gate.probe or not module.training:
+            return
+        self.verify_path(*args, **kwargs)
+
+    def verify_path(self, *args: object, **kwargs: object) -> bool:
+        """Check on a batch that the model's output depends on the input only through the noise layer.
+
+        Runs the model once more (eval mode, no grad) with the noised tensor replaced by zeros for every sample: the
+        output rows must then all be equal. Rows that differ mean a path from the input to the output that bypasses
+        the noise layer (e.g. a skip connection around the head), which the guarantee does not cover: refused with
+        :class:`UncoveredTrainingError` (or, with the opt-in, the run is marked not covered). Runs automatically on
+        the first training-mode forward with at least 2 samples; returns whether the check was conclusive.
+        """
+        states = {m: m.training for m in self.model.modules()}
+        self._gate.probe, self._gate.seen = True, False
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                out = self.model(*args, **kwargs)
+        finally:
+            self._gate.probe = False
+            for m, t in states.items():
+                m.training = t
+        rows = _output_rows(out)
+        if rows is None:
+            self.path_verified = True  # nothing per-sample to compare: do not retry at every forward
+            warnings.warn(f"DP-FP cannot check that every path goes through the noise layer: the model returns "
+                          f"{type(out).__name__} without per-sample rows; call verify_path(...) with inputs for "
+                          "which it returns logits", UserWarning, stacklevel=2)
+            return False
+        if rows.shape[0] < 2 or not self._gate.seen:
+            logger.debug("DP-FP path check inconclusive (%d rows, gate reached: %s); will retry", rows.shape[0],
+                         self._gate.seen)
+            return False
+        self.path_verified = True
+        flat = rows.reshape(rows.shape[0], -1).double()
+        scale = flat.abs().max().clamp_min(1.0)
+        if bool(((flat - flat[:1]).abs() > 1e-6 * scale).any()):
+            msg = ("the model's output still varies between samples when the noised representation is the same for "
+                   f"all of them: some path from the input to the output bypasses the noise layer in front of "
+                   f"{self.head!r}, so the output (and the head's gradient) depends on un-noised data. Noise a "
+                   "tensor that every path goes through (noise_at=...), or use fastdp.PrivacyEngine")
+            if not self.allow_uncovered:
+                raise UncoveredTrainingError(msg)
+            self.uncovered = True
+            warnings.warn(msg + "; run marked NOT covered", UserWarning, stacklevel=2)
+        return True
 
     # ----------------------------------------------------------------------------------------- checks
     def parameters_below(self) -> list[tuple[str, nn.Parameter]]:
@@ -226,5 +279,37 @@ class DPForwardPass:
         return math.inf if spent.epsilon is None else spent.epsilon
 
     def remove(self) -> None:
-        """Remove the noise hook (the model is as before)."""
+        """Remove the noise hook and the path check (the model is as before)."""
         self.handle.remove()
+        self._root_hook.remove()
+
+
+class _ProbeGate(nn.Module):
+    """The noise layer, or (while ``probe``) zeros shaped like the representation (:meth:`DPForwardPass.verify_path`)."""
+
+    def __init__(self, noise: RepresentationNoise) -> None:
+        super().__init__()
+        self.noise = noise
+        self.probe = False
+        self.seen = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.probe:
+            self.seen = True
+            return torch.zeros_like(h)
+        self.noise.train(self.training)
+        return self.noise(h)
+
+
+def _output_rows(out: object) -> torch.Tensor | None:
+    """The per-sample output tensor of a model call: a tensor, ``.logits``, or the first tensor of a tuple/dict."""
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() >= 1 else None
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return v
+    return None

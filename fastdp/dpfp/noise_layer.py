@@ -100,7 +100,7 @@ class NoiseHandle:
     """What :func:`insert_noise` returns: ``remove()`` takes the hook off; ``module``, ``name``, ``where``, ``noise``
     describe it."""
 
-    def __init__(self, hook: Any, module: nn.Module, name: str, where: str, noise: RepresentationNoise) -> None:
+    def __init__(self, hook: Any, module: nn.Module, name: str, where: str, noise: nn.Module) -> None:
         self._hook = hook
         self.module, self.name, self.where, self.noise = module, name, where, noise
 
@@ -116,7 +116,7 @@ class NoiseHandle:
         return self._hook is not None
 
 
-def insert_noise(model: nn.Module, name: str, noise: RepresentationNoise, where: str = "input",
+def insert_noise(model: nn.Module, name: str, noise: nn.Module, where: str = "input",
                  check: Any = None) -> NoiseHandle:
     """Apply ``noise`` to the input (``where="input"``) or output (``"output"``) of ``model.get_submodule(name)``.
 
@@ -162,5 +162,5 @@ def insert_noise(model: nn.Module, name: str, noise: RepresentationNoise, where:
             return apply(output)
 
         hook = sub.register_forward_hook(post_hook)
-    logger.debug("DP-FP noise inserted at the %s of %r (%s)", where, name, noise.extra_repr())
+    logger.debug("DP-FP noise inserted at the %s of %r (%r)", where, name, noise)
     return NoiseHandle(hook, sub, name, where, noise)
