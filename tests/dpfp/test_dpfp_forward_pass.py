@@ -188,3 +188,9 @@ def test_empty_and_single_sample_batches():
     assert dp.verify_path(torch.randn(6, 4)) and dp.path_verified  # B = 6 = the representation size
     dp.step()
     assert dp.get_privacy_spent().covered
+
+
+def test_secure_mode_sampler():
+    dp = DPForwardPass(frozen(Net()), noise_multiplier=1.0, secure_mode=True, **KW)
+    assert dp.noise.secure_mode and dp.sampler().secure_mode
+    assert not dp.sampler(generator=torch.Generator().manual_seed(0)).secure_mode
