@@ -99,7 +99,8 @@ def make_train_fn(num_canaries: int, steps: int, epsilon: float | None, seed: in
     return train
 
 
-def audit_row(name: str, num_canaries: int, steps: int, epsilon: float | None, seed: int) -> tuple[AuditResult, float]:
+def audit_row(num_canaries: int, steps: int, epsilon: float | None,
+              seed: int) -> tuple[AuditResult, float, float]:
     claimed: dict[str, float] = {}
 
     def train(membership: np.ndarray) -> AuditedMLP:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'setting':<24}{'claimed eps':>12}{'eps lower bound':>17}{'correct/guesses':>17}{'time (s)':>10}")
     bad = []
     for name, eps in rows:
-        res, secs, claimed = audit_row(name, m, steps, eps, args.seed)
+        res, secs, claimed = audit_row(m, steps, eps, args.seed)
         print(f"{name:<24}{claimed:>12.3f}{res.epsilon_lower_bound:>17.3f}"
               f"{f'{res.num_correct}/{res.num_guesses}':>17}{secs:>10.1f}")
         if res.epsilon_lower_bound > claimed:

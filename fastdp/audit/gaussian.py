@@ -12,13 +12,12 @@ Theorem 2.7) and ``mu``-GDP is (epsilon, delta)-DP iff ``delta >= Phi(-eps/mu + 
   (:func:`fastdp.audit.audit_from_scores`).
 * :func:`audit_gaussian_many_runs`: ``runs`` independent releases of one canary (``Y = b + sigma Z``, ``b`` in
   {0, 1} with probability 1/2), the rejection region ``Y > t`` with ``t`` fixed in advance from the mechanism's
-  claimed ``sigma`` and ``runs`` (the threshold whose bound is largest at the expected error counts), Clopper-Pearson bound
-  (:func:`fastdp.audit.epsilon_lower_bound_many_runs`).
+  claimed ``sigma`` and ``runs`` (the threshold whose bound is largest at the expected error counts),
+  Clopper-Pearson bound (:func:`fastdp.audit.epsilon_lower_bound_many_runs`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
