@@ -52,11 +52,11 @@ def _best_threshold(sigma: float, delta: float, runs: int, alpha: float) -> floa
 
     Expected false positives ``runs/2 * P[sigma Z > t]`` and false negatives ``runs/2 * P[1 + sigma Z <= t]``
     (rounded), through the same Clopper-Pearson bound; computed from the claimed mechanism and the number of runs
-    only, never from the sampled releases (grid of 2001 thresholds over ``[-2 sigma, 1 + 8 sigma]``).
+    only, never from the sampled releases (grid of 401 thresholds over ``[-2 sigma, 1 + 8 sigma]``).
     """
     half = runs // 2
     best_t, best = 0.5, -1.0
-    for t in np.linspace(-2 * sigma, 1 + 8 * sigma, 2001):
+    for t in np.linspace(-2 * sigma, 1 + 8 * sigma, 401):
         fp = round(half * float(stats.norm.sf(t / sigma)))
         fn = round(half * float(stats.norm.cdf((t - 1) / sigma)))
         eps = epsilon_lower_bound_many_runs(fp, fn, half, half, delta, alpha)
