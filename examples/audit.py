@@ -9,12 +9,15 @@ mechanism with ``mu = sqrt(T) / sigma`` per canary and the engine's PRV epsilon 
 an audit. The bound comes from the one-run theorem at 95 % confidence (``delta`` = the claim's delta).
 
 Rows: (a) non-private training (plain SGD, no clipping or noise), (b) fastdp's DP-SGD (``fastdp.PrivacyEngine``)
-at epsilon = 1, 4, 8.
+at epsilon = 1, 4, 8, full-batch and with Poisson batches of rate 1/4 (``fastdp.data.poisson_loader``, 4x the
+steps; the sampling and the amplification it is accounted with are then audited too, a weaker audit), (c) DP-FP
+(``fastdp.dpfp``) with a frozen encoder, (d) DP-FP with the encoder trained (not covered).
 
 Run::
 
     python examples/audit.py            # m = 5000 canaries, 20 steps
     python examples/audit.py --quick    # m = 500, 5 steps (a smoke test)
+    python examples/audit.py --no-dpfp  # rows (a) and (b) only
 
 A bound above the claimed epsilon for a DP row would be a privacy bug; a bound below it proves nothing (an audit
 is a lower bound: one run with m canaries cannot certify more than about log(m)-ish epsilon, see
@@ -68,8 +71,9 @@ def real_data(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_train_fn(num_canaries: int, steps: int, epsilon: float | None, seed: int, n_real: int = 500,
-                  d: int = 10):
-    """``train_fn(membership) -> (model, claimed epsilon)``: full-batch SGD, private when ``epsilon`` is set."""
+                  d: int = 10, sample_rate: float = 1.0):
+    """``train_fn(membership) -> (model, claimed epsilon)``: SGD, private (``fastdp.PrivacyEngine``) when ``epsilon``
+    is set; full batch at ``sample_rate = 1``, else ``steps`` Poisson batches (``fastdp.data.poisson_loader``)."""
 
     def train(membership: np.ndarray) -> tuple[AuditedMLP, float]:
         torch.manual_seed(seed)
@@ -81,14 +85,21 @@ def make_train_fn(num_canaries: int, steps: int, epsilon: float | None, seed: in
         n = x.shape[0]
         model = AuditedMLP(d, num_canaries)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
+        batch = n if sample_rate == 1.0 else max(1, round(sample_rate * n))
         engine = None
         if epsilon is not None:
-            engine = fastdp.PrivacyEngine(model, batch_size=n, sample_size=n, steps=steps, target_epsilon=epsilon,
+            engine = fastdp.PrivacyEngine(model, batch_size=batch, sample_size=n, steps=steps, target_epsilon=epsilon,
                                           target_delta=DELTA, max_grad_norm=CLIP,
                                           noise_generator=torch.Generator().manual_seed(seed + 1))
             engine.attach(opt)
-        for _ in range(steps):  # sample rate 1: every row in every step
-            model(x, y, idx).mean().backward()
+        if sample_rate == 1.0:  # every row in every step
+            batches = [(x, y, idx)] * steps
+        else:
+            data = torch.utils.data.TensorDataset(x, y, idx)
+            batches = fastdp.data.poisson_loader(data, batch_size=batch, steps=steps,
+                                                 generator=torch.Generator().manual_seed(seed + 2))
+        for xb, yb, ib in batches:
+            model(xb, yb, ib).sum().div(batch).backward()  # the mean over the expected batch size
             opt.step()
             opt.zero_grad()
         claimed = math.inf if engine is None else engine.get_privacy_spent()["epsilon"]
@@ -229,12 +240,14 @@ def audit_dpfp_row(num_canaries: int, steps: int, epsilon: float, seed: int, tra
     return [("head", res), ("release", rel)], time.perf_counter() - t0, box["privacy"]
 
 
-def audit_row(num_canaries: int, steps: int, epsilon: float | None,
-              seed: int) -> tuple[AuditResult, float, float]:
+def audit_row(num_canaries: int, steps: int, epsilon: float | None, seed: int,
+              sample_rate: float = 1.0) -> tuple[AuditResult, float, float]:
+    """One training run with Dirac canaries, audited; returns (result, seconds, claimed epsilon)."""
     claimed: dict[str, float] = {}
 
     def train(membership: np.ndarray) -> AuditedMLP:
-        model, claimed["eps"] = make_train_fn(num_canaries, steps, epsilon, seed)(membership)
+        model, claimed["eps"] = make_train_fn(num_canaries, steps, epsilon, seed,
+                                              sample_rate=sample_rate)(membership)
         return model
 
     t0 = time.perf_counter()
@@ -255,13 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (5 if args.quick else 20)
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message=".*GDP.*")
-    rows = [("(a) non-private SGD", None)] + [(f"(b) DP-SGD eps={e:g}", e) for e in args.epsilons]
-    print(f"one-run audit: m = {m} Dirac gradient canaries, {steps} full-batch steps, delta = {DELTA:g}, "
+    rows = [("(a) non-private SGD", None, 1.0)] + [(f"(b) DP-SGD eps={e:g}", e, 1.0) for e in args.epsilons]
+    rows += [(f"(b) DP-SGD eps={e:g} q=1/4", e, 0.25) for e in args.epsilons]
+    print(f"one-run audit: m = {m} canaries, {steps} steps ({4 * steps} at q=1/4), delta = {DELTA:g}, "
           f"95% confidence")
     print(f"{'setting':<24}{'claimed eps':>12}{'eps lower bound':>17}{'correct/guesses':>17}{'time (s)':>10}")
     bad = []
-    for name, eps in rows:
-        res, secs, claimed = audit_row(m, steps, eps, args.seed)
+    for name, eps, q in rows:
+        res, secs, claimed = audit_row(m, steps if q == 1.0 else 4 * steps, eps, args.seed, sample_rate=q)
         print(f"{name:<24}{claimed:>12.3f}{res.epsilon_lower_bound:>17.3f}"
               f"{f'{res.num_correct}/{res.num_guesses}':>17}{secs:>10.1f}")
         if res.epsilon_lower_bound > claimed:

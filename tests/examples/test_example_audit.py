@@ -23,7 +23,7 @@ def test_audit_quick_runs_and_no_claim_is_refuted() -> None:
     assert proc.returncode == 0, f"audit example failed:\n{proc.stdout}\n{proc.stderr}"
     rows = {m.group(1).strip(): (m.group(2), float(m.group(3)), int(m.group(4)), int(m.group(5)))
             for m in ROW.finditer(proc.stdout)}
-    assert len(rows) == 13, proc.stdout  # (a), 3 x (b), 3 x 2 (c), 3 x (d)
+    assert len(rows) == 16, proc.stdout  # (a), 3 + 3 x (b), 3 x 2 (c), 3 x (d)
     claimed, bound, correct, guesses = rows["(a) non-private SGD"]
     assert claimed == "inf" and correct == guesses and bound > 3.5, proc.stdout
     for name, (claimed, bound, _, _) in rows.items():
