@@ -285,7 +285,7 @@ class DPForwardPass:
 
 
 class _ProbeGate(nn.Module):
-    """The noise layer, or (while ``probe``) zeros shaped like the representation (:meth:`DPForwardPass.verify_path`)."""
+    """The noise layer, or (while ``probe``) zeros shaped like its input (:meth:`DPForwardPass.verify_path`)."""
 
     def __init__(self, noise: RepresentationNoise) -> None:
         super().__init__()

@@ -453,6 +453,22 @@ def check_audit_training(ns: dict[str, Any], capsys: Any) -> None:
     assert "epsilon >= " in capsys.readouterr().out
 
 
+def check_dpfp_api(ns: dict[str, Any], capsys: Any) -> None:
+    dp = ns["dp"]
+    assert dp.steps_taken == dp.planned_steps == 32
+    spent = dp.get_privacy_spent()
+    assert spent.covered and 2.9 < spent.epsilon <= 3.0 and "(2.99" in capsys.readouterr().out
+
+
+def check_dpfp_accounting(ns: dict[str, Any], capsys: Any) -> None:
+    from fastdp.dpfp import dpfp_epsilon
+
+    assert abs(ns["sigma"] - 10.57) < 0.05
+    assert abs(dpfp_epsilon(0.346, ns["p"], ns["M"], ns["T"], ns["delta"]) / 234 - 1) < 0.01
+    out = capsys.readouterr().out.split()
+    assert abs(float(out[3]) - 1.73) < 0.01  # the paper's GDP-CLT epsilon at sigma/C = 0.346
+
+
 #: "page#k" -> (setup(tmp_path[, monkeypatch]) -> namespace, check(namespace[, capsys]) or None)
 SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | None]] = {
     "README.md#0": (setup_readme, check_readme),
@@ -467,6 +483,8 @@ SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | Non
     "docs/guide/checkpoints.md#0": (setup_checkpoint_save, check_checkpoint_save),
     "docs/guide/checkpoints.md#1": (setup_checkpoint_resume, check_checkpoint_resume),
     "docs/guide/data.md#0": (setup_data_loop, check_data_loop),
+    "docs/guide/dpfp.md#0": (lambda tmp_path: {}, check_dpfp_api),
+    "docs/guide/dpfp.md#1": (lambda tmp_path: {}, check_dpfp_accounting),
     "docs/guide/data.md#1": (setup_virtual, check_virtual),
     "docs/guide/data.md#2": (setup_dist_data, check_dist_data),
     "docs/guide/distributed.md#0": (setup_dist_loop, check_dist_loop),
