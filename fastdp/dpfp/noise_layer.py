@@ -69,8 +69,7 @@ class RepresentationNoise(nn.Module):
         if h.dim() == 0:
             raise ValueError("RepresentationNoise needs a tensor with a sample dimension (dim 0), got a scalar")
         flat = h.reshape(h.shape[0], -1)
-        norms = flat.detach().float().norm(dim=1) if flat.dtype in (torch.float16, torch.bfloat16) \
-            else flat.norm(dim=1)
+        norms = flat.float().norm(dim=1) if flat.dtype in (torch.float16, torch.bfloat16) else flat.norm(dim=1)
         scale = torch.where(norms > self.clip_norm, self.clip_norm / norms.clamp_min(1e-30), torch.ones_like(norms))
         return (flat * scale.to(flat.dtype).unsqueeze(1)).reshape(h.shape)
 

@@ -65,7 +65,7 @@ def test_monotone():
 def test_never_below_the_paper_model():
     """The sound bound is never below the paper's own mechanism under a tight accountant (PRV)."""
     for s in (0.8, 2.0, 6.0):
-        args = (s, 32 / (32 * 67349), 32, 3 * 67349 // 32, 1 / (2 * 67349))
+        args = (s, 8 / (8 * 2000), 8, 3 * 2000 // 8, 1 / (2 * 2000))  # M = B = 8, 3 epochs of D = 2000
         assert dpfp_epsilon(*args) >= paper_epsilon(*args, accountant="prv")
 
 
