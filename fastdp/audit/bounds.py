@@ -6,8 +6,9 @@ Plain functions of counts (numpy/scipy only); the canaries, the training and the
 **One training run** (Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run", NeurIPS 2023,
 arXiv:2305.08846). ``m`` canaries, each included independently with probability 1/2 (``S in {-1, +1}^m``
 uniform); the auditor sees the output and makes ``r`` guesses (abstaining on ``m - r``), of which ``v`` are
-correct. The paper's main theorem for an (epsilon, delta)-DP algorithm (Theorem 3.1 of the arXiv version) bounds
-the number ``W`` of correct guesses: for every ``v``,
+correct. The paper's main result for an (epsilon, delta)-DP algorithm bounds the number ``W`` of correct guesses
+(cited as Corollary 5.4, pp. 15-16 of arXiv:2305.08846v1, by a third-party port; the numbering could not be
+checked against the PDF here): for every ``v``,
 
 .. math::
 
@@ -16,9 +17,10 @@ the number ``W`` of correct guesses: for every ``v``,
 
 The right-hand side is a p-value for the null hypothesis "the algorithm is (epsilon, delta)-DP" (``q`` is the
 accuracy of epsilon-DP randomized response). :func:`one_run_p_value` evaluates it exactly (scipy's binomial
-tails, no normal approximation), exactly as the paper's own reference code computes it (its appendix; the same
-computation is ``_one_run_p_value`` in google-deepmind/jax_privacy ``auditing.py``). The reported bound is the
-largest epsilon the observation rejects at level ``beta``, found by bisection on epsilon
+tails, no normal approximation), exactly as the paper's own code in its Appendix D (``p_value_DP_audit``,
+``get_eps_audit``) computes it (the same computation is ``_one_run_p_value`` in google-deepmind/jax_privacy
+``auditing.py``); tests/audit reproduces the paper's printed values 0.673 (Appendix D) and 2.675 (Section 7).
+The reported bound is the largest epsilon the observation rejects at level ``beta``, found by bisection on epsilon
 (:func:`epsilon_lower_bound_one_run`): a larger epsilon makes ``v`` correct guesses more plausible (the p-value
 grows with epsilon), so the rejected epsilons form an interval ``[0, eps_lb)``.
 
