@@ -99,7 +99,7 @@ def make_train_fn(num_canaries: int, steps: int, epsilon: float | None, seed: in
             batches = fastdp.data.poisson_loader(data, batch_size=batch, steps=steps,
                                                  generator=torch.Generator().manual_seed(seed + 2))
         for xb, yb, ib in batches:
-            model(xb, yb, ib).sum().div(batch).backward()  # the mean over the expected batch size
+            model(xb, yb, ib).mean().backward()  # loss_reduction="mean": the mean over the batch drawn
             opt.step()
             opt.zero_grad()
         claimed = math.inf if engine is None else engine.get_privacy_spent()["epsilon"]
