@@ -130,9 +130,9 @@ def audit_from_scores(scores: Any, membership: Any, delta: float, *, beta: float
     counts = default_guess_counts(m) if guess_counts is None else [tuple(c) for c in guess_counts]
     if not counts:
         raise ValueError("guess_counts is empty: give at least one (k_pos, k_neg)")
-    level = beta / len(counts)
-    if not (isinstance(beta, float | int) and 0 < beta < 1 and math.isfinite(beta)):
+    if isinstance(beta, bool) or not (isinstance(beta, float | int) and math.isfinite(beta) and 0 < beta < 1):
         raise ValueError(f"beta={beta!r} must be in (0, 1) (1 - confidence)")
+    level = beta / len(counts)
     truth = np.where(mem, 1, -1)
     best: AuditResult | None = None
     for k_pos, k_neg in counts:

@@ -99,6 +99,8 @@ def test_audit_from_scores_perfect_and_random() -> None:
 def test_audit_from_scores_bad_inputs() -> None:
     with pytest.raises(ValueError, match="membership must be a bool array"):
         audit_from_scores(np.zeros(3), np.array([1, 0, 1]), DELTA)
+    with pytest.raises(ValueError, match=r"beta=1.0 must be in \(0, 1\)"):
+        audit_from_scores(np.zeros(3), np.array([True, False, True]), DELTA, beta=1.0)
     with pytest.raises(ValueError, match="guess_counts is empty"):
         audit_from_scores(np.zeros(3), np.array([True, False, True]), DELTA, guess_counts=[])
     with pytest.raises(ValueError, match="scores must be a non-empty 1-D array"):
