@@ -96,6 +96,8 @@ class DPForwardPass:
         allow_uncovered_encoder_training: the documented opt-in: train parameters below the noise layer anyway;
             the run is then reported as not covered (no epsilon), permanently.
         generator: for the noise (reproducibility); ``None`` uses torch's global RNG.
+        secure_mode: noise from the OS CSPRNG with the floating-point mitigation
+            (:class:`~fastdp.dpfp.RepresentationNoise`); :meth:`sampler` then defaults to secure sampling too.
 
     Call :meth:`step` once per step (after the optimizer step that consumed the step's ``M`` micro-batches).
     """
@@ -105,7 +107,7 @@ class DPForwardPass:
                  sample_size: int, micro_batches: int, batch_size: int, epochs: float | None = None,
                  steps: int | None = None, delta: float, noise_at: str | None = None,
                  allow_uncovered_encoder_training: bool = False,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, secure_mode: bool = False) -> None:
         self.model = model
         self.head = head
         self.delta = check_delta(delta)
@@ -135,7 +137,8 @@ class DPForwardPass:
             names = [n for n, _ in model.named_modules() if n][-12:]
             raise ValueError(f"model has no submodule head={head!r}; some of its submodules: {names}") from exc
         self._head_modules = {id(m) for m in head_module.modules()}
-        self.noise = RepresentationNoise(clip_norm, float(noise_multiplier), generator=generator)
+        self.noise = RepresentationNoise(clip_norm, float(noise_multiplier), generator=generator,
+                                         secure_mode=secure_mode)
         self.steps_taken = 0
         self.uncovered = False
         self.check()
@@ -254,8 +257,12 @@ class DPForwardPass:
             warnings.warn(f"DP-FP: {self.steps_taken} steps taken, more than the {self.planned_steps} planned; "
                           "epsilon now exceeds the planned budget", UserWarning, stacklevel=2)
 
-    def sampler(self, generator: torch.Generator | None = None, secure_mode: bool = False) -> MicroBatchSampler:
-        """The :class:`~fastdp.dpfp.MicroBatchSampler` of the planned run (``T`` steps, one epoch if unplanned)."""
+    def sampler(self, generator: torch.Generator | None = None,
+                secure_mode: bool | None = None) -> MicroBatchSampler:
+        """The :class:`~fastdp.dpfp.MicroBatchSampler` of the planned run (``T`` steps, one epoch if unplanned);
+        ``secure_mode`` defaults to the noise layer's."""
+        if secure_mode is None:
+            secure_mode = self.noise.secure_mode and generator is None
         return MicroBatchSampler(self.sample_size, self.micro_batches, sample_rate=self.sample_rate,
                                  steps=self.planned_steps, generator=generator, secure_mode=secure_mode)
 

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdp.noise import secure_gaussian
+
 __all__ = ["NoiseHandle", "RepresentationNoise", "insert_noise"]
 
 logger = logging.getLogger(__name__)
@@ -45,14 +47,20 @@ class RepresentationNoise(nn.Module):
             privacy; :class:`~fastdp.dpfp.DPForwardPass` refuses it).
         generator: a ``torch.Generator`` for the noise (reproducible runs); default torch's global RNG. If it lives
             on another device than the input, the noise is drawn there and moved.
+        secure_mode: draw the noise with :func:`fastdp.noise.secure_gaussian` (fresh OS-CSPRNG-seeded generators and
+            the floating-point attack mitigation of docs/guide/secure-mode.md); refuses ``generator``.
 
     Shapes: input ``(B, *rest)`` with ``B >= 0`` and at least one dim; output the same shape and dtype. ``B = 0``
     returns the (empty) input. Gradients flow through the clipping into the input.
     """
 
     def __init__(self, clip_norm: float, noise_multiplier: float, *,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, secure_mode: bool = False) -> None:
         super().__init__()
+        if secure_mode and generator is not None:
+            raise ValueError("secure_mode=True draws the noise from the OS CSPRNG and refuses a seeded generator "
+                             "(a known seed makes the noise predictable); pass generator=None")
+        self.secure_mode = bool(secure_mode)
         self.clip_norm = _check_positive("clip_norm", clip_norm)
         self.noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -86,13 +94,16 @@ class RepresentationNoise(nn.Module):
         clipped = self.clip(h)
         if self.noise_multiplier == 0.0:
             return clipped
+        if self.secure_mode:
+            return clipped + secure_gaussian(h.shape, self.noise_std, device=h.device, dtype=h.dtype)
         gen = self.generator
         dev = h.device if gen is None else gen.device
         noise = torch.randn(h.shape, generator=gen, device=dev, dtype=h.dtype)
         return clipped + noise.to(h.device) * self.noise_std
 
     def extra_repr(self) -> str:
-        return f"clip_norm={self.clip_norm:g}, noise_multiplier={self.noise_multiplier:g}"
+        secure = ", secure_mode=True" if self.secure_mode else ""
+        return f"clip_norm={self.clip_norm:g}, noise_multiplier={self.noise_multiplier:g}{secure}"
 
 
 class NoiseHandle:

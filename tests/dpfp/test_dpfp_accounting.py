@@ -133,3 +133,19 @@ def test_li_et_al_gdp_row_for_sst2():
     got = [get_epsilon(get_noise_multiplier(e, delta, q, steps=t, accountant="rdp"), q, t, delta, "gdp")
            for e in (3, 8)]
     assert got[0] == pytest.approx(1.73, abs=0.006) and got[1] == pytest.approx(4.33, abs=0.01)
+
+
+def test_delta_against_monte_carlo_of_the_pair():
+    """Brute force: sample the composed pair directly (presence pattern, then each present row's Gaussian privacy
+    loss under Q) and estimate delta(eps) = E_Q[(1 - e^{eps - L})_+]; compare with the closed form."""
+    import numpy as np
+
+    s, p, k, eps = 1.5, 0.3, 6, 1.0
+    mu = 2 / s
+    rng = np.random.default_rng(0)
+    n = 400_000
+    present = rng.random((n, k)) < p                          # which micro-batches hold the record
+    losses = np.where(present, mu * rng.standard_normal((n, k)) + mu * mu / 2, 0.0).sum(axis=1)  # under Q
+    terms = np.clip(1 - np.exp(eps - losses), 0, None)
+    est, se = terms.mean(), terms.std() / math.sqrt(n)
+    assert abs(dpfp_delta(eps, s, p, k, 1) - est) < 5 * se

@@ -177,3 +177,20 @@ def test_hf_bert_classifier():
     model(input_ids=ids, attention_mask=mask)
     assert (seen["h"].norm(dim=1) <= 1.0 + 1e-5).all()  # clipped to C = 1 (noise ~ 1e-9)
     dp2.remove()
+
+
+def test_empty_and_single_sample_batches():
+    net = frozen(Net())
+    dp = DPForwardPass(net, noise_multiplier=1.0, **KW)
+    assert net(torch.randn(0, 4)).shape == (0, 2)
+    assert net(torch.randn(1, 4)).shape == (1, 2)
+    assert not dp.path_verified  # needs two samples
+    assert dp.verify_path(torch.randn(6, 4)) and dp.path_verified  # B = 6 = the representation size
+    dp.step()
+    assert dp.get_privacy_spent().covered
+
+
+def test_secure_mode_sampler():
+    dp = DPForwardPass(frozen(Net()), noise_multiplier=1.0, secure_mode=True, **KW)
+    assert dp.noise.secure_mode and dp.sampler().secure_mode
+    assert not dp.sampler(generator=torch.Generator().manual_seed(0)).secure_mode

@@ -137,3 +137,22 @@ def test_concatenated_forward_equals_separate_micro_batches():
     layer = RepresentationNoise(1.0, 0.0)
     parts = [torch.randn(n, 5) * 4 for n in (0, 2, 1, 3)]
     assert torch.equal(layer(torch.cat(parts)), torch.cat([layer(p) for p in parts]))
+
+
+def test_low_precision_clips_in_float32():
+    x = (torch.randn(6, 40) * 50).to(torch.bfloat16)
+    out = RepresentationNoise(1.0, 0.0)(x)
+    assert out.dtype == torch.bfloat16
+    assert (out.float().norm(dim=1) <= 1.0 * (1 + 2e-2)).all()  # bf16 has 8 bits of mantissa
+
+
+def test_secure_mode():
+    with pytest.raises(ValueError, match="secure_mode"):
+        RepresentationNoise(1.0, 1.0, generator=torch.Generator(), secure_mode=True)
+    layer = RepresentationNoise(2.0, 0.5, secure_mode=True)
+    out = layer(torch.zeros(2000, 8))
+    assert abs(out.std().item() - 1.0) < 5 / math.sqrt(2 * out.numel())
+    torch.manual_seed(0)
+    a = layer(torch.zeros(3, 4))
+    torch.manual_seed(0)
+    assert not torch.equal(a, layer(torch.zeros(3, 4)))  # not reproducible from torch's seed

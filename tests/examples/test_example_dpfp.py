@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "dpfp.py"
-ROW = re.compile(r"^(DP-FP \(fastdp bound\)|DP-FP \(paper's sigma\)|DP-BiTFiT)\s+([\d,]+)\s+(\S+)\s+([0-9.]+)\s+(\d+)"
-                 r"\s+([0-9.]+)\s+([0-9.]+)\s+(.+)$", re.M)
+ROW = re.compile(r"^(DP-FP \(fastdp bound\)|DP-FP \(paper's sigma\)|head only, non-private|DP-BiTFiT)\s+([\d,]+)"
+                 r"\s+(\S+)\s+([0-9.]+)\s+([0-9.]+)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+(.+)$", re.M)
 
 
 def test_quick_run():
@@ -28,11 +28,14 @@ def test_quick_run():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {m.group(1): m.groups() for m in ROW.finditer(proc.stdout)}
-    assert set(rows) == {"DP-FP (fastdp bound)", "DP-FP (paper's sigma)", "DP-BiTFiT"}, proc.stdout
+    assert set(rows) == {"DP-FP (fastdp bound)", "DP-FP (paper's sigma)", "head only, non-private", "DP-BiTFiT"}, \
+        proc.stdout
     ours, papers, bitfit = rows["DP-FP (fastdp bound)"], rows["DP-FP (paper's sigma)"], rows["DP-BiTFiT"]
     assert float(ours[2]) <= 3.0 and float(bitfit[2]) <= 3.0
     assert float(papers[2]) > 3.0  # the paper's sigma for epsilon 3 certifies much more under fastdp's bound
     assert float(papers[3]) < float(ours[3])
+    assert rows["head only, non-private"][2] == "inf"
     assert int(ours[1].replace(",", "")) == 2 * 384 + 2  # only the head trains
-    assert all(0.0 <= float(r[5]) <= 1.0 for r in rows.values())
-    assert "replace-one input, labels public" in ours[7] and "add/remove" in bitfit[7]
+    assert ours[4] == "3" and bitfit[4] == "1"  # epochs: the paper's 3 for DP-FP, 1 for the engine runs
+    assert all(0.0 <= float(r[6]) <= 1.0 for r in rows.values())
+    assert "replace-one input, labels public" in ours[8] and "add/remove" in bitfit[8]
