@@ -7,6 +7,7 @@ Public entry points:
 * :func:`fastdp.make_private` -- ``(engine, poisson_loader)`` from a model, optimizer and loader in one call.
 * :func:`fastdp.progress` -- a progress bar over a loader showing the epsilon spent so far.
 * :mod:`fastdp.accounting` -- RDP, PRV and GDP-CLT accountants and noise calibration.
+* :mod:`fastdp.audit` -- empirical lower bounds on epsilon from canaries (one-run and many-runs audits).
 * :mod:`fastdp.dpfp` -- DP-FP (noise on a representation in the forward pass), with the guarantee it really has.
 * :mod:`fastdp.data` -- Poisson sampling (sampler, loader wrapper) and virtual batches.
 * :mod:`fastdp.losses` -- per-sample losses ``(B,)`` for language models and classifiers (use them instead of
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _ENGINE_NAMES = ("PrivacyEngine", "PrivacyBudgetExceeded", "NonFiniteGradientError")
-_SUBMODULES = ("accounting", "data", "validate", "bitfit", "losses", "dpfp")
+_SUBMODULES = ("accounting", "data", "validate", "bitfit", "losses", "dpfp", "audit")
 
 
 def __getattr__(name: str):
@@ -48,5 +49,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["PrivacyEngine", "AdaptiveClipping", "make_private", "progress", "PrivacyBudgetExceeded",
-           "NonFiniteGradientError", "StructureError", "engines_on", "accounting", "data", "dpfp", "losses", "validate",
-           "__version__"]
+           "NonFiniteGradientError", "StructureError", "engines_on", "accounting", "audit", "data", "dpfp", "losses",
+           "validate", "__version__"]

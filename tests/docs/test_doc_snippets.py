@@ -441,6 +441,18 @@ def check_adaptive(ns: dict[str, Any], capsys: Any) -> None:
     assert "'steps': 3" in capsys.readouterr().out
 
 
+def check_audit_bounds(ns: dict[str, Any], capsys: Any) -> None:
+    out = capsys.readouterr().out.splitlines()
+    assert float(out[0]) == pytest.approx(3.4654, abs=1e-4) and 0 < float(out[1]) < 5
+    assert ns["result"].epsilon_lower_bound == pytest.approx(1.782, abs=1e-3) and "1.782" in out[2]
+
+
+def check_audit_training(ns: dict[str, Any], capsys: Any) -> None:
+    res = ns["result"]
+    assert 0 < res.epsilon_lower_bound <= 8.0 and res.num_canaries == 400 and res.claimed_epsilon == 8.0
+    assert "epsilon >= " in capsys.readouterr().out
+
+
 def check_dpfp_api(ns: dict[str, Any], capsys: Any) -> None:
     dp = ns["dp"]
     assert dp.steps_taken == dp.planned_steps == 32
@@ -464,6 +476,8 @@ SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | Non
     "docs/guide/clipping.md#0": (lambda tmp_path: {}, check_adaptive),
     "docs/guide/quickstart.md#1": (setup_make_private, check_make_private),
     "docs/guide/accounting.md#0": (setup_accounting, check_accounting),
+    "docs/guide/audit.md#0": (lambda tmp_path: {}, check_audit_bounds),
+    "docs/guide/audit.md#1": (lambda tmp_path: {}, check_audit_training),
     "docs/guide/bitfit.md#0": (setup_bitfit, check_bitfit),
     "docs/guide/bitfit.md#1": (setup_bitfit_phases, check_bitfit_phases),
     "docs/guide/checkpoints.md#0": (setup_checkpoint_save, check_checkpoint_save),
