@@ -12,6 +12,8 @@ Usage::
     python benchmarks/levers.py --levers fused-norms --models tinycls --sizes 128 --reps 9
     python benchmarks/levers.py --json results/levers.json        # also save the raw times
 
+``python benchmarks/levers.py --noise`` times the noise of a step drawn per parameter against one flat buffer.
+
 Levers:
 
 * ``fused-norms``: per-sample squared norms with ``torch.linalg.vector_norm`` over rows (``fastdp.norms.norm_sq``)
@@ -79,7 +81,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "shared-gram": _shared_gram_before,
 }
 
-DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 256), ("gpt2", 256), ("vit", 64))
+DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))
 
 
 def measure(w: zoo.Workload, levers: list[str], reps: int, warmup: int) -> dict[str, list[float]]:
@@ -106,6 +108,34 @@ def measure(w: zoo.Workload, levers: list[str], reps: int, warmup: int) -> dict[
     return times
 
 
+def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
+    """The noise of one step of a workload's trainable parameters drawn two ways, alternating: one fresh tensor and
+    one ``normal_`` call per parameter (what ``fastdp.noise.noisy_mean`` does) against one fresh flat buffer and one
+    call for all of them (the "flat buffer" lever, not adopted). Median milliseconds of each."""
+    w = zoo.Workload(model, size, zoo.default_batch(model, size, "cpu"))
+    shapes = [p.shape for p in zoo.make_model(w).parameters() if p.requires_grad]
+    total = sum(math.prod(s) for s in shapes)
+    gen = torch.Generator().manual_seed(0)
+
+    def per_parameter() -> None:
+        [torch.empty(s).normal_(0.0, 1.0, generator=gen) for s in shapes]
+
+    def flat() -> None:
+        torch.empty(total).normal_(0.0, 1.0, generator=gen)
+
+    times: dict[str, list[float]] = {"per parameter": [], "flat buffer": []}
+    for r in range(reps + 1):
+        for name, fn in (("per parameter", per_parameter), ("flat buffer", flat))[:: 1 if r % 2 else -1]:
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    out = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(f"noise for {w.tag} ({len(shapes)} tensors, {total:,} numbers): per parameter "
+          f"{out['per parameter']:.1f} ms, one flat buffer {out['flat buffer']:.1f} ms")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
@@ -116,8 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="tiny widths, size 16, batch 2, one round (a smoke test)")
+    p.add_argument("--noise", action="store_true", help="only the noise A/B (per-parameter tensors or one flat buffer)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.noise:
+        for model, size in (("gpt2", 256), ("roberta", 64), ("vit", 64)):
+            noise_ab(model, size, args.reps)
+        return
     workloads = [(m, s) for m, s in DEFAULT_WORKLOADS if not args.models or m in args.models]
     if args.models and not workloads:
         workloads = [(m, s) for m in args.models for s in (args.sizes or (zoo.DEFAULT_SIZES[m][0],))]

@@ -177,18 +177,23 @@ def _speedup(other: dict, default: dict) -> str:
 
 
 def render_summary(results: dict) -> str:
-    """One row per workload: the default mode's time and memory ratio, its speed-up over Opacus, DP-BiTFiT."""
+    """One row per workload: the default mode's time and memory ratio, DP-BiTFiT against non-private full and
+    BiTFiT training, and the default mode's speed-up over Opacus (columns only where the run measured Opacus)."""
+    opacus = [om for om in ("Opacus hooks", "Opacus ghost")
+              if any(om in wl["methods"] for wl in results["workloads"])]
+    head = ["workload", "default mode time / non-private", "memory / non-private",
+            *(f"speed-up over {om}" for om in opacus), "DP-BiTFiT time / non-private",
+            "DP-BiTFiT time / non-private BiTFiT"]
     lines = [f"From `{results['json']}` ({results['env']['date']}, {results['env'].get('gpu') or 'CPU'}; full "
              "tables in docs/results/benchmarks.md).", "",
-             "| workload | default mode time / non-private | memory / non-private | speed-up over Opacus hooks | "
-             "over Opacus ghost | DP-BiTFiT time / non-private |", "|---|---|---|---|---|---|"]
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for wl in results["workloads"]:
         ms = wl["methods"]
-        d = ms.get(D, {})
-
-        over = [_speedup(ms.get(om, {}), d) for om in ("Opacus hooks", "Opacus ghost")]
-        lines.append(f"| {wl['tag']} | {_ratio(d)} | {_ratio(d, 'memory_ratio')} | {over[0]} | {over[1]} | "
-                     f"{_ratio(ms.get('DP-BiTFiT', {}))} |")
+        d, b, nb = ms.get(D, {}), ms.get("DP-BiTFiT", {}), ms.get("non-private BiTFiT", {})
+        over = [_speedup(ms.get(om, {}), d) for om in opacus]
+        vs_bitfit = b["median_s"] / nb["median_s"] if b.get("median_s") and nb.get("median_s") else None
+        cells = [wl["tag"], _ratio(d), _ratio(d, "memory_ratio"), *over, _ratio(b), _fmt(vs_bitfit, ".2f", "x")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
