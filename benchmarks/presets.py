@@ -68,7 +68,7 @@ def _main(name: str, widths: str) -> Preset:
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     _main("cpu", "cpu"),
     _main("paper", "paper"),
-    Preset("targets", "steps", "the performance targets (issue 15): the default mode and DP-BiTFiT against non-private "
+    Preset("targets", "steps", "the performance targets: the default mode and DP-BiTFiT against non-private "
            "full and BiTFiT training on every main model and size (cpu widths)",
            ("non-private", D, "non-private BiTFiT", "DP-BiTFiT"), _main_workloads("cpu"), targets=True),
     Preset("engine", "steps", "every clipping mode on a language model of plain torch layers (no HF code)",

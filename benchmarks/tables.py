@@ -34,7 +34,7 @@ import zoo  # noqa: E402
 logger = logging.getLogger("benchmarks.tables")
 RESULTS = ROOT / "benchmarks" / "results"
 MARKER = re.compile(r"<!-- table:([\w.-]+)(?::([\w-]+))? -->\n.*?<!-- /table -->", re.S)
-#: issue 15's targets (see :func:`evaluate_targets`)
+#: the performance targets (see :func:`evaluate_targets`)
 TARGET_TIME, TARGET_MEMORY, TARGET_RESNET, TARGET_OPACUS, TARGET_BITFIT, TARGET_MIN_T = 1.1, 1.1, 1.4, 1.4, 1.05, 64
 D = zoo.DEFAULT_METHOD
 
@@ -96,7 +96,7 @@ def _load_note(results: dict, wl: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------------- views
 def evaluate_targets(results: dict) -> list[dict]:
-    """The performance issue's targets (issue 15), each checked per workload from the measured ratios:
+    """The performance targets, each checked per workload from the measured ratios:
 
     * default mode step time and peak memory growth <= ``TARGET_TIME`` / ``TARGET_MEMORY`` x non-private on the
       transformers (GPT-2, RoBERTa and the plain-torch classifier at T >= ``TARGET_MIN_T``; the ViT at every size),

@@ -480,10 +480,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
+@dataclass
+class PreparedData:
+    """The demo data: the model folder, the tokenizer, the reviews before and after deduplication, the movie counts
+    (train, test) of the split, and the encoded train and test subsets."""
+
+    model_path: Path
+    tokenizer: Any
+    reviews: list[Review]
+    unique: list[Review]
+    movies: tuple[int, int]
+    train: Encoded
+    test: Encoded
+
+
+def prepare_data(args: argparse.Namespace) -> PreparedData:
+    """Load, deduplicate and split the reviews by movie (20 % test), take the ``args.train_size`` /
+    ``args.test_size`` subsets (seeded by ``args.seed``) and tokenize them at ``args.max_length``; the model and data
+    packages missing is a clean exit with the install hint. Shared by every example that uses this data."""
     try:
         data_path, path = find_data_file(), model_dir()
     except FileNotFoundError as exc:
@@ -494,12 +508,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     reviews = load_reviews(data_path)
     unique = deduplicate(reviews)
     train_reviews, test_reviews = grouped_split(unique, test_fraction=0.2, seed=args.seed)
-    n_movies = (len({r.movie for r in train_reviews}), len({r.movie for r in test_reviews}))
+    movies = (len({r.movie for r in train_reviews}), len({r.movie for r in test_reviews}))
     train_reviews = subset(train_reviews, args.train_size, args.seed)
     test_reviews = subset(test_reviews, args.test_size, args.seed + 1)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    train_data = encode(tokenizer, train_reviews, args.max_length)
-    test_data = encode(tokenizer, test_reviews, args.max_length)
+    return PreparedData(path, tokenizer, reviews, unique, movies, encode(tokenizer, train_reviews, args.max_length),
+                        encode(tokenizer, test_reviews, args.max_length))
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    data = prepare_data(args)
+    path, tokenizer, reviews, unique, n_movies = data.model_path, data.tokenizer, data.reviews, data.unique, data.movies
+    train_data, test_data = data.train, data.test
     n = len(train_data)
     if args.batch_size > n:
         sys.exit(f"error: --batch-size {args.batch_size} is larger than the {n} training reviews")

@@ -173,20 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    try:
-        data_path, path = tc.find_data_file(), tc.model_dir()
-    except FileNotFoundError as exc:
-        sys.exit(f"error: {exc}")
-    tc.quiet_transformers()
-    from transformers import AutoTokenizer
-
-    unique = tc.deduplicate(tc.load_reviews(data_path))
-    train_reviews, test_reviews = tc.grouped_split(unique, test_fraction=0.2, seed=args.seed)
-    train_reviews = tc.subset(train_reviews, args.train_size, args.seed)
-    test_reviews = tc.subset(test_reviews, args.test_size, args.seed + 1)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    train_data = tc.encode(tokenizer, train_reviews, args.max_length)
-    test_data = tc.encode(tokenizer, test_reviews, args.max_length)
+    data = tc.prepare_data(args)
+    path, tokenizer, train_data, test_data = data.model_path, data.tokenizer, data.train, data.test
     model = tc.load_model(path, args.seed)
     if not args.full:
         freeze_all_but_bias(model, keep=("classifier",))  # DP-BiTFiT: biases + the new head

@@ -1,4 +1,4 @@
-"""Empirical lower bounds on epsilon: canary audits of a mechanism or a training run (issue 17).
+"""Empirical lower bounds on epsilon: canary audits of a mechanism or a training run.
 
 * :mod:`fastdp.audit.bounds` -- the bounds as plain functions of counts: :func:`epsilon_lower_bound_one_run`
   (Steinke, Nasr & Jagielski 2023), :func:`epsilon_lower_bound_many_runs` with :func:`clopper_pearson`
