@@ -22,6 +22,8 @@ Levers:
 * ``shared-gram``: one input Gram matrix for the layers that read the same input tensor (q, k, v of an attention
   block), cached for one pass of per-sample norms (``fastdp.layers._matmul.shared_input_grams``); before: one per
   layer.
+* ``parallel-noise``: on CPU, a step's noise drawn on ``fastdp.noise.NOISE_THREADS`` threads from child generators
+  (``fastdp.noise.noisy_means``); before: one thread, one parameter after another.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import zoo
 import fastdp.clipped_sums
 import fastdp.layers._factored
 import fastdp.layers._matmul
+import fastdp.noise
 
 
 # ------------------------------------------------------------------------------------------ the "before" code
@@ -76,9 +79,14 @@ def _shared_gram_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.layers._matmul, "SHARE_INPUT_GRAMS", False)])
 
 
+def _parallel_noise_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.noise, "NOISE_THREADS", 1)])
+
+
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "fused-norms": _fused_norms_before,
     "shared-gram": _shared_gram_before,
+    "parallel-noise": _parallel_noise_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.noise:
-        for model, size in (("gpt2", 256), ("roberta", 64), ("vit", 64)):
+        for model, size in (("gpt2", 256), ("roberta", 64), ("vit", 64), ("resnet", 32)):
             noise_ab(model, size, args.reps)
         return
     workloads = [(m, s) for m, s in DEFAULT_WORKLOADS if not args.models or m in args.models]

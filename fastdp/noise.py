@@ -10,6 +10,7 @@ floating-point attack on the Gaussian mechanism; see docs/guide/secure-mode.md f
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import secrets
@@ -54,6 +55,78 @@ def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float
     if clipped_sum is not None:
         grad.add_(clipped_sum.to(grad.dtype), alpha=1.0 / batch_size)
     return grad.to(param.dtype)
+
+
+#: CPU noise of one step is drawn on this many threads at once (torch's CPU ``normal_`` runs on one core); 1 draws
+#: everything on the calling thread from the noise generator itself
+NOISE_THREADS = 2
+#: below this many numbers in a step the noise is drawn on one thread (the threads' overhead would dominate)
+PARALLEL_NOISE_MIN = 1 << 20
+
+
+def noisy_means(params: Sequence[torch.Tensor], sums: dict[torch.Tensor, torch.Tensor], std: float, batch_size: int,
+                generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """:func:`noisy_mean` of every parameter of one step, ``(sums[p] + std * xi_p) / batch_size`` (a parameter
+    without an entry in ``sums`` gets noise only), in the order of ``params``. Each sum is popped from ``sums`` as
+    it is used, so it is freed as soon as its gradient exists.
+
+    On CPU, with at least :data:`PARALLEL_NOISE_MIN` numbers and :data:`NOISE_THREADS` > 1, the parameters are cut
+    into that many consecutive runs of about equal size and each run is drawn on its own thread from a *child*
+    generator whose whole Mersenne-Twister state (624 words) is drawn from ``generator`` (torch's default generator
+    when ``None``) in a fixed order: a seeded run stays reproducible and a checkpoint of ``generator`` still
+    restores the stream, while the draws of one step take 1 / NOISE_THREADS of the time. The released
+    distribution is the same, N(0, std^2 I) independent per entry; only which numbers a given seed produces
+    changes. Elsewhere (CUDA, fewer numbers, one thread) each parameter is drawn in turn from ``generator``.
+    """
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    runs = _runs(params, NOISE_THREADS) if (
+        NOISE_THREADS > 1 and total >= PARALLEL_NOISE_MIN and std > 0 and _cpu_state_layout_ok()
+        and all(p.device.type == "cpu" for p in params)
+        and (generator is None or generator.device.type == "cpu")) else []
+    if len(runs) < 2:
+        return [noisy_mean(p, sums.pop(p, None), std, batch_size, generator) for p in params]
+    children = [_child_generator(generator) for _ in runs]
+
+    def draw(run: list[torch.Tensor], child: torch.Generator) -> list[torch.Tensor]:
+        return [noisy_mean(p, sums.pop(p, None), std, batch_size, child) for p in run]
+
+    pool = _noise_pool()
+    futures = [pool.submit(draw, run, child) for run, child in zip(runs[1:], children[1:], strict=True)]
+    out = draw(runs[0], children[0])
+    for f in futures:
+        out += f.result()
+    return out
+
+
+def _runs(params: list[torch.Tensor], k: int) -> list[list[torch.Tensor]]:
+    """``params`` cut into at most ``k`` consecutive runs of about equal numbers of elements."""
+    total = sum(p.numel() for p in params)
+    runs: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for p in params:
+        if runs[-1] and filled >= total * len(runs) / k and len(runs) < k:
+            runs.append([])
+        runs[-1].append(p)
+        filled += p.numel()
+    return runs
+
+
+def _child_generator(parent: torch.Generator | None) -> torch.Generator:
+    """A CPU generator whose Mersenne-Twister state is 624 words drawn from ``parent`` (see :func:`noisy_means`)."""
+    words = torch.randint(0, 2**32, (_MT_WORDS,), dtype=torch.int64, generator=parent)
+    child = torch.Generator()
+    child.manual_seed(0)  # resets 'left', 'next' and the cached normals
+    state = child.get_state()
+    state[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS] = words.view(torch.uint8)
+    child.set_state(state)
+    return child
+
+
+@lru_cache(maxsize=1)
+def _noise_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, NOISE_THREADS - 1),
+                                                 thread_name_prefix="fastdp-noise")
 
 
 # ---------------------------------------------------------------------------------------------- secure mode

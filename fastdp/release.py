@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fastdp import accounting, adaptive, distributed
 from fastdp.clip_stats import ClipCounter
 from fastdp.clipped_sums import BackwardResult
-from fastdp.noise import noise_dtype, noisy_mean, secure_gaussian, secure_noisy_mean
+from fastdp.noise import noise_dtype, noisy_means, secure_gaussian, secure_noisy_mean
 from fastdp.plan import trainable_change
 from fastdp.sampling_check import SampleRateMonitor
 
@@ -190,11 +190,13 @@ class Release:
         elif group is None:
             sums = self.summed
             std = self.grad_std()
-            for p in eng.plan.trainable.values():
-                if eng.secure_mode:
-                    p.grad = secure_noisy_mean(p, sums.pop(p, None), std, eng.batch_size)
-                else:
-                    p.grad = noisy_mean(p, sums.pop(p, None), std, eng.batch_size, eng.noise_generator)
+            params = list(eng.plan.trainable.values())
+            if eng.secure_mode:
+                grads = [secure_noisy_mean(p, sums.pop(p, None), std, eng.batch_size) for p in params]
+            else:
+                grads = noisy_means(params, sums, std, eng.batch_size, eng.noise_generator)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
             if eng._adaptive is not None:
                 dev = next(iter(eng.plan.trainable.values())).device
                 noisy_count = (self.step_unclipped - samples / 2

@@ -232,11 +232,13 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
 
     import fastdp.clipped_sums
     import fastdp.layers._matmul
+    import fastdp.noise
 
-    before = (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS)
+    before = (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS)
     levers.main(["--quick", "--models", "tinycls", "--json", str(tmp_path / "l.json")])
     out = capsys.readouterr().out
     assert out.count("| tinycls-tiny-T16-B2 |") == 1 and "fused-norms gain" in out and "shared-gram gain" in out
     saved = json.loads((tmp_path / "l.json").read_text())["times_s"]["tinycls-tiny-T16-B2"]
-    assert set(saved) == {"non-private", "after", "fused-norms before", "shared-gram before"}
-    assert (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS) == before
+    assert set(saved) == {"non-private", "after", "fused-norms before", "shared-gram before",
+                         "parallel-noise before"}
+    assert (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS) == before
