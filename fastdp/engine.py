@@ -106,7 +106,8 @@ class PrivacyEngine:
         loss_reduction: ``"mean"`` if the loss averages the per-sample losses over the physical batch, ``"sum"``
             if it adds them.
         noise_generator: a ``torch.Generator`` on the parameters' device to draw the noise from (its state is
-            saved by :meth:`state_dict`, so a resumed run continues the same noise stream).
+            saved by :meth:`state_dict`, so a resumed run continues the same noise stream; on CPU a large step's
+            noise comes from child generators seeded from it, :func:`fastdp.noise.noisy_means`).
         secure_mode: draw the noise from generators seeded by the operating system's CSPRNG at every step, as the
             sum of four Gaussians divided by two (floating-point attack mitigation); see
             docs/guide/secure-mode.md. About 15-35x slower noise; no ``noise_generator``.
