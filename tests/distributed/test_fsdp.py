@@ -128,7 +128,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn_name: str, kwargs: dict) -> None:
+def _entry(rank: int, world: int, port: int, fn_name: str, kwargs: dict, done_dir: str) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -136,14 +136,29 @@ def _entry(rank: int, world: int, port: int, fn_name: str, kwargs: dict) -> None
     try:
         globals()[fn_name](rank, world, **kwargs)
         dist.barrier()
+        with open(os.path.join(done_dir, f"{rank}.done"), "w") as f:  # every check of this rank passed
+            f.write("ok")
     finally:
         dist.destroy_process_group()
 
 
 def spawn(fn_name: str, world: int, **kwargs) -> None:
     """Run ``fn_name(rank, world, **kwargs)`` (a function of this module) on ``world`` gloo processes; an exception
-    on any rank fails the test with that rank's traceback."""
-    mp.spawn(_entry, args=(world, _free_port(), fn_name, kwargs), nprocs=world, join=True)
+    on any rank fails the test with that rank's traceback.
+
+    A process killed by SIGABRT after *every* rank finished its checks and passed the final barrier (seen
+    occasionally in full-suite runs on this torch: "terminate called without an active exception" while FSDP2 and
+    gloo shut down) is reported as a warning, not a failure: the test's assertions all ran and passed. A rank that
+    did not finish, or any other exit, still fails the test."""
+    with tempfile.TemporaryDirectory() as done_dir:
+        try:
+            mp.spawn(_entry, args=(world, _free_port(), fn_name, kwargs, done_dir), nprocs=world, join=True)
+        except mp.ProcessExitedException as e:
+            finished = all(os.path.exists(os.path.join(done_dir, f"{r}.done")) for r in range(world))
+            if not (finished and e.signal_name == "SIGABRT"):
+                raise
+            warnings.warn(f"{fn_name}: every rank passed its checks, then process {e.error_index} aborted during "
+                          "process-group shutdown (a torch teardown crash, not a test failure)", stacklevel=2)
 
 
 # ------------------------------------------------------------------------------------------------ workers
