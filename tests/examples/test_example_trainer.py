@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from example_run import run_example
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "trainer.py"
@@ -77,26 +76,13 @@ def test_build_trainer_trains_privately_on_a_tiny_model(tmp_path, full):
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-def _missing() -> str | None:
-    for module in ("transformers", tc.MODEL_PACKAGE):
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed ({tc.INSTALL_HINT})"
-    try:
-        tc.find_data_file()
-    except FileNotFoundError as exc:
-        return str(exc)
-    return None
 
 
 def run_script(*args: str, timeout: float) -> tuple[tuple[str, ...], str]:
-    reason = _missing()
+    reason = tc.missing_requirements()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--no-progress", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"trainer.py failed:\n{proc.stdout}\n{proc.stderr}"
+    proc = run_example(SCRIPT, "--no-progress", *args, timeout=timeout)
     m = ROW.search(proc.stdout)
     assert m, proc.stdout
     return m.groups(), proc.stdout
