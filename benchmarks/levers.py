@@ -24,6 +24,10 @@ Levers:
   layer.
 * ``parallel-noise``: on CPU, a step's noise drawn on ``fastdp.noise.NOISE_THREADS`` threads from child generators
   (``fastdp.noise.noisy_means``); before: one thread, one parameter after another.
+* ``conv-kernels``: a convolution's clipped sum by torch's weight-gradient kernel on the scaled output gradient, its
+  per-sample gradients by one grouped convolution over the batch (at ``T >= 64``) or from patches unfolded a few
+  MiB at a time, the ghost norm from such chunks (``fastdp.layers.kinds.conv.ConvCall``); before: the whole
+  batch's patches unfolded once and every operation a matrix product over them.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ import fastdp.clipped_sums
 import fastdp.layers._factored
 import fastdp.layers._matmul
 import fastdp.noise
+from fastdp.layers import _matmul
+from fastdp.layers.base import to_accumulation
+from fastdp.layers.kinds.conv import ConvKind, unfold_patches
 
 
 # ------------------------------------------------------------------------------------------ the "before" code
@@ -83,10 +90,33 @@ def _parallel_noise_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.noise, "NOISE_THREADS", 1)])
 
 
+def _conv_prepare_before(self: ConvKind, module: torch.nn.Module, activation: torch.Tensor | None,
+                         grad_output: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The whole batch's patches unfolded at once, as ``(A, G)`` for the generic outer-product operations."""
+    B, g, c_out = grad_output.shape[0], module.groups, module.out_channels
+    T = math.prod(grad_output.shape[2:])
+    G = to_accumulation(grad_output).reshape(B, g, c_out // g, T).transpose(2, 3)
+    A = None
+    if activation is not None:
+        U = unfold_patches(self._padded(module, to_accumulation(activation)), module.kernel_size, module.dilation,
+                           module.stride)
+        A = U.reshape(B, T, g, U.shape[2] // g).transpose(1, 2)
+    return A, G
+
+
+def _conv_kernels_before() -> contextlib.AbstractContextManager:
+    base = _matmul.OuterProductKind
+    return _patched([(ConvKind, "prepare", _conv_prepare_before)]
+                    + [(ConvKind, name, getattr(base, name)) for name in (
+                        "prefers_ghost", "instantiation_fits", "ghost_norm_sq", "per_sample_grad", "clipped_sum",
+                        "factors")])
+
+
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "fused-norms": _fused_norms_before,
     "shared-gram": _shared_gram_before,
     "parallel-noise": _parallel_noise_before,
+    "conv-kernels": _conv_kernels_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))

@@ -51,11 +51,13 @@ def per_sample_grad(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bgtp,bgtd->bgpd", G, A)
 
 
-def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices."""
+def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch.Tensor:
+    """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices. ``share``: the input Gram may
+    come from (and go to) the cache of :func:`shared_input_grams` (only for an ``A`` that stays alive for the whole
+    pass: the cache is keyed by its storage)."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
         return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
-    aat = input_gram(A)
+    aat = input_gram(A) if share else torch.matmul(A, A.transpose(-1, -2))
     ggt = torch.matmul(G, G.transpose(-1, -2))
     return _factored.gram_inner(aat, ggt)
 

@@ -6,11 +6,18 @@ into patches ``(B, T, C_in * prod(k))`` where ``T`` is the number of output posi
 the canonical shapes of :mod:`fastdp.layers._matmul` are ``A: (B, g, T, C_in/g * prod(k))`` and
 ``G: (B, g, T, C_out/g)``; the per-sample weight gradient ``(B, g, C_out/g, C_in/g * prod(k))`` reshapes to
 ``(B, C_out, C_in/g, *k)``. Bias ``(C_out,)``: ``g_i = sum_t G_i[:, t]``.
+
+The patches are ``prod(k)`` times the input, so they are never formed for the whole batch at once when that is
+large: :class:`ConvCall` pads and unfolds ``chunk`` samples at a time (at most :data:`PATCH_CHUNK_BYTES` of patches)
+and each operation (per-sample gradient, ghost norm, clipped sum) consumes a chunk before the next is made. The
+results are the batch-at-once ones up to the order of floating-point sums (the clipped sum adds its per-chunk
+contractions).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.layers import _matmul
+from fastdp.layers._factored import Factors
 from fastdp.layers.base import to_accumulation
 from fastdp.layers.registry import register
 from fastdp.layers.spec import DocRow, OracleCase
@@ -78,10 +86,151 @@ class ConvKind(_matmul.OuterProductKind):
                 f"got an output of shape {tuple(grad_output.shape)}. Add a batch dimension.")
         B, g, c_out = grad_output.shape[0], module.groups, module.out_channels
         T = math.prod(grad_output.shape[2:])  # explicit sizes throughout: B may be 0 (empty batch)
-        G = to_accumulation(grad_output).reshape(B, g, c_out // g, T).transpose(2, 3)  # (B, g, T, p)
-        A = None
         if activation is not None:
-            x = self._padded(module, to_accumulation(activation))
-            U = unfold_patches(x, module.kernel_size, module.dilation, module.stride)  # (B, T, C_in*K)
-            A = U.reshape(B, T, g, U.shape[2] // g).transpose(1, 2)  # (B, g, T, C_in/g*K)
-        return A, G
+            return ConvCall(self, module, to_accumulation(activation), to_accumulation(grad_output))
+        return None, to_accumulation(grad_output).reshape(B, g, c_out // g, T).transpose(2, 3)  # (B, g, T, p)
+
+    # The weight's operations on a ConvCall (the bias's read only G: OuterProductKind's).
+    def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
+        call: ConvCall = ctx
+        return 2 * call.T * call.T < call.p * call.d
+
+    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str) -> bool:
+        call: ConvCall = ctx
+        return name == "bias" or call.p * call.d <= call.T * (call.p + call.d)
+
+    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+        call: ConvCall = ctx
+        # fresh patches per chunk: not the shared input-Gram cache (it keys on storage, which a chunk reuses)
+        parts = [_matmul.ghost_norm_sq(call.patches(lo, hi), call.G[lo:hi], share=False) for lo, hi in call.chunks()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+        if name == "bias":
+            return super().per_sample_grad(module, _bias_ctx(ctx), name)
+        call: ConvCall = ctx
+        if call.T >= GROUPED_MIN_POSITIONS:
+            return call.grouped_weight_grads()
+        G = call.G
+        B, g, _, p = G.shape
+        out = G.new_empty(B, g, p, call.d)
+        for lo, hi in call.chunks():
+            torch.matmul(G[lo:hi].transpose(-1, -2), call.patches(lo, hi), out=out[lo:hi])
+        return out.reshape(B, *module.weight.shape)
+
+    def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
+        if name == "bias":
+            return super().clipped_sum(module, _bias_ctx(ctx), name, coef)
+        call: ConvCall = ctx
+        return call.weight_grad(coef)
+
+    def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
+        if name == "bias":
+            return super().factors(module, _bias_ctx(ctx), name)
+        call: ConvCall = ctx
+        return Factors(call.G, call.patches(0, call.batch))  # a shared weight's cross terms: the whole batch
+
+
+def _bias_ctx(ctx: Any) -> tuple[None, torch.Tensor]:
+    """The ``(A, G)`` form the bias's operations (:class:`fastdp.layers._matmul.OuterProductKind`) read."""
+    return (None, ctx.G) if isinstance(ctx, ConvCall) else ctx
+
+
+#: torch's convolution weight-gradient kernels by number of spatial dimensions
+_WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+#: per-sample weight gradients by one grouped convolution over the batch (:meth:`ConvCall.grouped_weight_grads`)
+#: when a call has at least this many output positions, else from patches: on a 2-core CPU (oneDNN) the grouped
+#: kernel took 0.3-0.5x the patches' time at T >= 64 and 3-6x at T = 16 (benchmarks: the conv per-sample A/B)
+GROUPED_MIN_POSITIONS = 64
+
+#: the most bytes of patches a :class:`ConvCall` forms at once, per device type (others: ``"default"``). On CPU,
+#: glibc serves every allocation above 32 MiB by a fresh ``mmap``, so a batch's patches (often hundreds of MiB) are
+#: page-faulted in anew on every use; chunks of a few MiB are reused from the heap and stay in cache.
+PATCH_CHUNK_BYTES: dict[str, int] = {"cpu": 8 * 2**20, "default": 256 * 2**20}
+
+
+@dataclass
+class ConvCall:
+    """A recorded convolution call with its input kept (not unfolded): ``x`` ``(B, C_in, *spatial)`` and ``G``
+    ``(B, g, T, p)``. :meth:`patches` unfolds samples ``[lo, hi)`` to ``(hi - lo, g, T, d)``, ``d = C_in/g *
+    prod(k)``; :meth:`chunks` cuts the batch so that each chunk's patches take at most
+    ``PATCH_CHUNK_BYTES`` (one chunk if a sample's alone take more)."""
+
+    kind: ConvKind
+    module: nn.Module
+    x: torch.Tensor
+    grad_output: torch.Tensor  # (B, C_out, *spatial), in the accumulation dtype
+
+    @property
+    def G(self) -> torch.Tensor:
+        """``(B, g, T, p)``: the output gradient as the canonical form of :mod:`fastdp.layers._matmul`."""
+        go, g = self.grad_output, self.module.groups
+        B, c_out = go.shape[0], go.shape[1]
+        return go.reshape(B, g, c_out // g, self.T).transpose(2, 3)
+
+    @property
+    def batch(self) -> int:
+        return self.grad_output.shape[0]
+
+    @property
+    def T(self) -> int:
+        return math.prod(self.grad_output.shape[2:])
+
+    @property
+    def p(self) -> int:
+        return self.grad_output.shape[1] // self.module.groups
+
+    @property
+    def d(self) -> int:
+        return self.x.shape[1] // self.module.groups * math.prod(self.module.kernel_size)
+
+    def _weight_grad_input(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The input and padding for torch's weight-gradient kernel: zero padding that is the same on both sides
+        of every dimension is passed to it; any other (``padding_mode``, an uneven ``"same"``) is applied first."""
+        m = self.module
+        pad = list(m._reversed_padding_repeated_twice)  # (left, right) per dimension, last dimension first
+        if m.padding_mode == "zeros" and pad[0::2] == pad[1::2]:
+            return self.x, tuple(reversed(pad[0::2]))
+        return self.kind._padded(m, self.x), (0,) * len(m.kernel_size)
+
+    def weight_grad(self, coef: torch.Tensor) -> torch.Tensor:
+        """``sum_i coef_i g_i`` of the weight: torch's own convolution weight gradient of the output gradient
+        scaled per sample, ``(C_out, C_in/g, *k)`` (no patches: the kernel autograd runs for a non-private step)."""
+        m = self.module
+        x, padding = self._weight_grad_input()
+        go = self.grad_output * coef.to(self.grad_output.dtype).view(-1, *([1] * (self.grad_output.dim() - 1)))
+        return _WEIGHT_GRAD[len(m.kernel_size)](x, tuple(m.weight.shape), go, stride=m.stride, padding=padding,
+                                                dilation=m.dilation, groups=m.groups)
+
+    def grouped_weight_grads(self) -> torch.Tensor:
+        """Per-sample weight gradients ``(B, C_out, C_in/g, *k)`` as the weight gradient of one convolution with
+        ``B * g`` groups over the batch laid side by side in the channels: sample ``i``'s channels form groups
+        ``i g .. i g + g - 1``, whose weight gradient is ``g_i``."""
+        m = self.module
+        B = self.batch
+        shape = tuple(m.weight.shape)
+        if B == 0:
+            return self.G.new_zeros(0, *shape)
+        x, padding = self._weight_grad_input()
+        go = self.grad_output
+        grads = _WEIGHT_GRAD[len(m.kernel_size)](
+            x.reshape(1, B * x.shape[1], *x.shape[2:]), (B * shape[0], *shape[1:]),
+            go.reshape(1, B * go.shape[1], *go.shape[2:]), stride=m.stride, padding=padding, dilation=m.dilation,
+            groups=B * m.groups)
+        return grads.reshape(B, *shape)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        B = self.batch
+        budget = PATCH_CHUNK_BYTES.get(self.x.device.type, PATCH_CHUNK_BYTES["default"])
+        per_sample = self.module.groups * self.T * self.d * self.x.element_size()
+        step = max(1, budget // max(1, per_sample))
+        if B <= step:
+            return [(0, B)]
+        return [(lo, min(lo + step, B)) for lo in range(0, B, step)]
+
+    def patches(self, lo: int, hi: int) -> torch.Tensor:
+        m = self.module
+        x = self.kind._padded(m, self.x[lo:hi])
+        U = unfold_patches(x, m.kernel_size, m.dilation, m.stride)  # (b, T, C_in*K)
+        b, T, g = hi - lo, self.T, m.groups
+        return U.reshape(b, T, g, U.shape[2] // g).transpose(1, 2)  # (b, g, T, C_in/g*K)
