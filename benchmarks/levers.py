@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
             noise_ab(model, size, args.reps)
         return
     workloads = [(m, s) for m, s in DEFAULT_WORKLOADS if not args.models or m in args.models]
-    if args.models and not workloads:
-        workloads = [(m, s) for m in args.models for s in (args.sizes or (zoo.DEFAULT_SIZES[m][0],))]
+    listed = {m for m, _ in workloads}
+    workloads += [(m, zoo.DEFAULT_SIZES[m][0]) for m in args.models or () if m not in listed]
     if args.sizes:
         workloads = list(dict.fromkeys((m, s) for m, _ in workloads for s in args.sizes))
     results = {}

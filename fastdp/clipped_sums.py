@@ -19,6 +19,7 @@ and so are the factors applied to the captured tensors. Sums go to the release s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +76,11 @@ class BackwardResult:
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
+    """``sum_i coef_i psg_i``, shape ``psg.shape[1:]``: one vector-matrix product ``(B,) @ (B, n)`` (``einsum``
+    parses its equation on every call, a fixed cost that dominates for bias-sized tensors)."""
     acc = accumulation_dtype(psg.dtype)
-    return torch.einsum("b,b...->...", coef.to(acc), psg.to(acc))
+    B = psg.shape[0]
+    return (coef.to(acc) @ psg.to(acc).reshape(B, -1 if B else math.prod(psg.shape[1:]))).view(psg.shape[1:])
 
 
 def _add(out: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, value: torch.Tensor) -> None:

@@ -24,8 +24,9 @@ events "the first k are equal" are nested, so this single test has false-alarm p
 ``FIXED_SIZE_ALPHA = 1e-3`` (it only warns). When ``q = 1`` every batch is the whole data set and nothing is tested
 for fixed size.
 
-Empty steps count as size 0. The check needs nothing but the sizes; it costs a few ``scipy.stats.binom`` calls
-per step.
+Empty steps count as size 0. The check needs nothing but the sizes; it costs at most three ``scipy.stats.binom``
+calls per step, and none for a step whose size and running total are on the side of their mean that a test cannot
+reject (the median bound in :meth:`SampleRateMonitor.observe`).
 """
 
 from __future__ import annotations
@@ -112,21 +113,25 @@ class SampleRateMonitor:
             return out
         a_k = self.alpha / (k * (k + 1)) / 3.0
         mean = s / k
+        # A binomial's median m lies in [floor(nq), ceil(nq)] and P(X >= m), P(X <= m) >= 1/2 > a_k: a count at
+        # most floor(nq) cannot fail the upper tests, one at least ceil(nq) not the lower one (nq = batch_size
+        # here, k * batch_size for the total), so the scipy calls are made only where they can decide.
+        B = self.batch_size
         if size > n:
             out.refuse = self._too_many(f"a logical batch of {size} samples, more than sample_size={n}")
-        elif stats.binom.sf(size - 1, n, q) < a_k:
+        elif size > B and stats.binom.sf(size - 1, n, q) < a_k:
             out.refuse = self._too_many(
                 f"a logical batch of {size} samples at step {k}, which Poisson sampling at rate "
                 f"q={q:.4g} (mean {self.batch_size}) produces with probability "
                 f"{stats.binom.sf(size - 1, n, q):.2g}")
-        elif stats.binom.sf(s - 1, k * n, q) < a_k:
+        elif s > k * B and stats.binom.sf(s - 1, k * n, q) < a_k:
             out.refuse = self._too_many(
                 f"a mean logical batch size of {mean:.4g} over the first {k} steps (total {s}; probability "
                 f"{stats.binom.sf(s - 1, k * n, q):.2g} under the declared rate)")
         if out.refuse is not None:
             self.refused = out.refuse
             return out
-        if not self.warned_low and stats.binom.cdf(s, k * n, q) < a_k:
+        if not self.warned_low and s < k * B and stats.binom.cdf(s, k * n, q) < a_k:
             self.warned_low = True
             out.warnings.append(
                 f"the logical batches average {mean:.4g} samples over the first {k} steps, far below the declared "

@@ -86,6 +86,57 @@ def test_accumulated_poisson_micro_batches_refused():
     assert k is not None and k <= 2
 
 
+def _always_scipy_verdicts(B: int, N: int, sizes: list[int], alpha: float = 1e-6) -> list[tuple[bool, bool]]:
+    """(refused, warned low) per step by the three binomial tests evaluated at every step (no shortcut)."""
+    from scipy import stats
+
+    q, s, out, refused, warned = B / N, 0, [], False, False
+    for k, size in enumerate(sizes, start=1):
+        s += size
+        a_k = alpha / (k * (k + 1)) / 3.0
+        low = False
+        if not refused:
+            refused = size > N or stats.binom.sf(size - 1, N, q) < a_k or stats.binom.sf(s - 1, k * N, q) < a_k
+            if not refused and not warned and stats.binom.cdf(s, k * N, q) < a_k:
+                warned = low = True
+        out.append((refused, low))
+    return out
+
+
+@pytest.mark.parametrize("B,N", [(1, 10), (3, 7), (16, 1000), (64, 50_000), (999, 1000)])
+def test_the_median_shortcut_gives_every_verdict_of_the_full_tests(B, N, monkeypatch):
+    """The monitor calls scipy only for counts above the mean (upper tests) or below it (lower test): the verdicts
+    of random, low, high and extreme size sequences equal those of the three tests evaluated at every step, and
+    a run at the declared rate makes fewer scipy calls than three per step."""
+    from scipy import stats
+
+    rng = np.random.default_rng(B * 7 + N)
+    q = B / N
+    runs = [[int(rng.binomial(N, q)) for _ in range(40)], [int(rng.binomial(N, min(1.0, 2 * q))) for _ in range(40)],
+            [int(rng.binomial(N, q / 3)) for _ in range(40)], [B] * 10 + [N] + [0] * 5, [0] * 30,
+            [min(N, B + 1)] * 40, [max(0, B - 1)] * 40]
+    for sizes in runs:
+        mon = SampleRateMonitor(B, N)
+        got = []
+        for size in sizes:
+            v = mon.observe(size)
+            got.append((v.refuse is not None, any("far below" in w for w in v.warnings)))
+        assert got == _always_scipy_verdicts(B, N, sizes), (B, N, sizes)
+    calls = {"n": 0}
+    for name in ("sf", "cdf"):
+        real = getattr(stats.binom, name)
+
+        def counted(*a, _real=real, **k):
+            calls["n"] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(stats.binom, name, counted)
+    mon = SampleRateMonitor(B, N)
+    for size in runs[0]:
+        mon.observe(size)
+    assert calls["n"] < 2 * len(runs[0])
+
+
 def test_single_implausible_batch_refused():
     mon = SampleRateMonitor(16, 1000)
     for n in [14, 18, 16, 15]:

@@ -234,11 +234,16 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.layers._matmul
     import fastdp.noise
 
-    before = (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS)
-    levers.main(["--quick", "--models", "tinycls", "--json", str(tmp_path / "l.json")])
+    from fastdp.layers.kinds.conv import ConvKind
+
+    before = (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
+              ConvKind.prepare, ConvKind.clipped_sum)
+    levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
     out = capsys.readouterr().out
     assert out.count("| tinycls-tiny-T16-B2 |") == 1 and "fused-norms gain" in out and "shared-gram gain" in out
     saved = json.loads((tmp_path / "l.json").read_text())["times_s"]["tinycls-tiny-T16-B2"]
     assert set(saved) == {"non-private", "after", "fused-norms before", "shared-gram before",
-                         "parallel-noise before"}
-    assert (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS) == before
+                         "parallel-noise before", "conv-kernels before"}
+    assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
+    assert (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
+            ConvKind.prepare, ConvKind.clipped_sum) == before
