@@ -233,7 +233,6 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.clipped_sums
     import fastdp.layers._matmul
     import fastdp.noise
-
     from fastdp.layers.kinds.conv import ConvKind
 
     before = (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
