@@ -24,10 +24,10 @@ Levers:
   layer.
 * ``parallel-noise``: on CPU, a step's noise drawn on ``fastdp.noise.NOISE_THREADS`` threads from child generators
   (``fastdp.noise.noisy_means``); before: one thread, one parameter after another.
-* ``conv-kernels``: a convolution's clipped sum by torch's weight-gradient kernel on the scaled output gradient, its
-  per-sample gradients by one grouped convolution over the batch (at ``T >= 64``) or from patches unfolded a few
-  MiB at a time, the ghost norm from such chunks (``fastdp.layers.kinds.conv.ConvCall``); before: the whole
-  batch's patches unfolded once and every operation a matrix product over them.
+* ``conv-kernels``: a convolution's patches unfolded a few MiB of samples at a time for each operation (ghost norm,
+  clipped sum, per-sample gradients), and its per-sample gradients at ``T >= 256`` by one grouped convolution over
+  the batch (``fastdp.layers.kinds.conv.ConvCall``); before: the whole batch's patches unfolded once and kept for
+  every operation.
 """
 
 from __future__ import annotations

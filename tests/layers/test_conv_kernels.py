@@ -1,8 +1,8 @@
 """The convolution kind's weight paths (fastdp.layers.kinds.conv.ConvCall) against a batch-of-one oracle, float64.
 
 Per-sample gradients come from one grouped convolution over the batch (``T >= GROUPED_MIN_POSITIONS``) or from
-patches unfolded a few samples at a time (:data:`PATCH_CHUNK_BYTES`); the ghost norm from such chunks; the clipped
-sum from torch's weight-gradient kernel on the scaled output gradient. Each path is forced here (the constants
+patches unfolded a few samples at a time (:data:`PATCH_CHUNK_BYTES`); the ghost norm and the clipped sum from such
+chunks. Each path is forced here (the constants
 patched) on convolutions of every shape feature -- 1d/2d/3d, stride, dilation, groups, padding modes, an uneven
 ``"same"`` -- at batch sizes 1, 3 and 5 (chunks of 1, 2 and all samples) and 0, and in the engine, every clipping
 mode against the oracle of tests/oracle.py.

@@ -8,10 +8,11 @@ the canonical shapes of :mod:`fastdp.layers._matmul` are ``A: (B, g, T, C_in/g *
 ``(B, C_out, C_in/g, *k)``. Bias ``(C_out,)``: ``g_i = sum_t G_i[:, t]``.
 
 The patches are ``prod(k)`` times the input, so they are never formed for the whole batch at once when that is
-large: :class:`ConvCall` pads and unfolds ``chunk`` samples at a time (at most :data:`PATCH_CHUNK_BYTES` of patches)
-and each operation (per-sample gradient, ghost norm, clipped sum) consumes a chunk before the next is made. The
-results are the batch-at-once ones up to the order of floating-point sums (the clipped sum adds its per-chunk
-contractions).
+large: :class:`ConvCall` keeps the input and pads and unfolds a few samples at a time (at most
+:data:`PATCH_CHUNK_BYTES` of patches), and each operation (per-sample gradient, ghost norm, clipped sum) consumes a
+chunk before the next is made. Per-sample gradients of a call with many positions (``T >=``
+:data:`GROUPED_MIN_POSITIONS`) come instead from one grouped convolution over the batch (torch's weight-gradient
+kernel, no patches). Results equal the batch-at-once ones up to the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -122,7 +123,11 @@ class ConvKind(_matmul.OuterProductKind):
         if name == "bias":
             return super().clipped_sum(module, _bias_ctx(ctx), name, coef)
         call: ConvCall = ctx
-        return call.weight_grad(coef)
+        total = None
+        for lo, hi in call.chunks():
+            part = _matmul.clipped_sum(call.patches(lo, hi), call.G[lo:hi], coef[lo:hi])
+            total = part if total is None else total.add_(part)
+        return total.reshape(module.weight.shape)
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         if name == "bias":
@@ -139,9 +144,11 @@ def _bias_ctx(ctx: Any) -> tuple[None, torch.Tensor]:
 #: torch's convolution weight-gradient kernels by number of spatial dimensions
 _WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 #: per-sample weight gradients by one grouped convolution over the batch (:meth:`ConvCall.grouped_weight_grads`)
-#: when a call has at least this many output positions, else from patches: on a 2-core CPU (oneDNN) the grouped
-#: kernel took 0.3-0.5x the patches' time at T >= 64 and 3-6x at T = 16 (benchmarks: the conv per-sample A/B)
-GROUPED_MIN_POSITIONS = 64
+#: when a call has at least this many output positions, else from patches. On a 2-core CPU (oneDNN) the grouped
+#: kernel took about 0.3x the patches' time at T = 1024 and 3136, about the same at T = 64-256 and 3-6x at T <= 16,
+#: and its scratch is about twice the per-sample gradients (29 MB against 18 MB for a 64-channel 3x3 layer at
+#: batch 64, T 64), hence the high threshold.
+GROUPED_MIN_POSITIONS = 256
 
 #: the most bytes of patches a :class:`ConvCall` forms at once, per device type (others: ``"default"``). On CPU,
 #: glibc serves every allocation above 32 MiB by a fresh ``mmap``, so a batch's patches (often hundreds of MiB) are
@@ -192,15 +199,6 @@ class ConvCall:
         if m.padding_mode == "zeros" and pad[0::2] == pad[1::2]:
             return self.x, tuple(reversed(pad[0::2]))
         return self.kind._padded(m, self.x), (0,) * len(m.kernel_size)
-
-    def weight_grad(self, coef: torch.Tensor) -> torch.Tensor:
-        """``sum_i coef_i g_i`` of the weight: torch's own convolution weight gradient of the output gradient
-        scaled per sample, ``(C_out, C_in/g, *k)`` (no patches: the kernel autograd runs for a non-private step)."""
-        m = self.module
-        x, padding = self._weight_grad_input()
-        go = self.grad_output * coef.to(self.grad_output.dtype).view(-1, *([1] * (self.grad_output.dim() - 1)))
-        return _WEIGHT_GRAD[len(m.kernel_size)](x, tuple(m.weight.shape), go, stride=m.stride, padding=padding,
-                                                dilation=m.dilation, groups=m.groups)
 
     def grouped_weight_grads(self) -> torch.Tensor:
         """Per-sample weight gradients ``(B, C_out, C_in/g, *k)`` as the weight gradient of one convolution with
