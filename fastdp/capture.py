@@ -36,7 +36,7 @@ from torch import nn
 from fastdp import capture_generic, hf_guard, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
-from fastdp.layers.base import LayerKind, autocast_state
+from fastdp.layers.base import LayerKind, autocast_state, no_autocast
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry
 from fastdp.records import Record
@@ -368,11 +368,12 @@ class Capture:
                 "sample may contribute once per logical step. Do not call backward twice on one graph "
                 "(retain_graph=True) under a PrivacyEngine.")
         grad = grad.detach()
-        if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
-            grad = rec.kind.reduce_without_activation(rec.module, grad)
-        rec.grads[k] = grad
-        if rec.activation is not None and self.on_arrival and id(rec.module) not in self.plan.tied_modules:
-            instantiate_on_arrival(rec, self.engine.clip_config.mode)  # frees the kept tensors where cheaper
+        with no_autocast():  # a backward pass inside torch.autocast: the clipping math stays in float32
+            if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
+                grad = rec.kind.reduce_without_activation(rec.module, grad)
+            rec.grads[k] = grad
+            if rec.activation is not None and self.on_arrival and id(rec.module) not in self.plan.tied_modules:
+                instantiate_on_arrival(rec, self.engine.clip_config.mode)  # frees the kept tensors where cheaper
 
     def _on_backward_end(self) -> None:
         self.callback_queued = False
@@ -384,7 +385,9 @@ class Capture:
             # fully_shard: each sharded sum is reduce-scattered to this rank's rows as it is formed
             stream = None if sharding is None else sharding.stream(done, self.plan.param_of)
             try:
-                with self.inert_hooks():  # GhostClip's and the generic path's replays call the modules again
+                # GhostClip's and the generic path's replays call the modules again (inert hooks; they re-enter
+                # the forward's own autocast regions); the rest runs outside any autocast region
+                with self.inert_hooks(), no_autocast():
                     result = clipped_sums(done, self.plan.param_of, cfg, stream)
             except BaseException:
                 if stream is not None:

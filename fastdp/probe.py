@@ -98,7 +98,7 @@ from torch import nn
 
 from fastdp.clipped_sums import ClipConfig, clipped_sums
 from fastdp.layers import generic, layout
-from fastdp.layers.base import autocast_state
+from fastdp.layers.base import autocast_state, no_autocast
 from fastdp.layers.generic import GENERIC
 from fastdp.plan import trainable_change
 from fastdp.torch_api import TorchFunctionMode, tree_flatten, tree_map
@@ -677,11 +677,12 @@ def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], in
     weights = {i: float(w[i]) for i in indices}
     engine._capture.inert_depth += 1
     try:
-        rows = _rows(records, engine.plan.param_of, params, indices)
-        cfg = ClipConfig(mode=engine.clip_config.mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
-                         thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
-                         on_nonfinite="raise")
-        res = clipped_sums(records, engine.plan.param_of, cfg).sums if records else {}
+        with no_autocast():  # the engine's clipping math in float32, as in training (fastdp.layers.base)
+            rows = _rows(records, engine.plan.param_of, params, indices)
+            cfg = ClipConfig(mode=engine.clip_config.mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
+                             thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
+                             on_nonfinite="raise")
+            res = clipped_sums(records, engine.plan.param_of, cfg).sums if records else {}
         total = [res.get(p) for p in params]
     finally:
         engine._capture.inert_depth -= 1

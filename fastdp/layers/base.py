@@ -67,6 +67,14 @@ def replay_autocast(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None
         yield
 
 
+def no_autocast() -> contextlib.AbstractContextManager[None]:
+    """Leave every active autocast region. The clipping stage runs in it: a backward pass called inside
+    ``torch.autocast`` would otherwise run the per-sample norms' and clipped sums' matrix products in float16 or
+    bfloat16 (three significant digits: a norm underestimated by 0.4 % lets a clipped gradient exceed the
+    threshold by as much)."""
+    return replay_autocast(())
+
+
 def to_accumulation(t: torch.Tensor) -> torch.Tensor:
     """Cast a floating tensor to :func:`accumulation_dtype`; integer tensors (token ids) are never cast."""
     if t.is_floating_point() and t.dtype in _LOW_PRECISION:

@@ -86,3 +86,35 @@ def test_autocast_release_matches_autocast_oracle(family, dtype, mode, scale):
     assert rel_err(got, want) < tol, rel_err(got, want)
     assert rel_err(clipped_sum(psg, groups, "abadi", 1e12, B), want) > 10 * tol  # the test can fail
     assert engine.steps == engine.accountant.ledger.steps == 1
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-ghost", "ghost", "instantiate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["mlp", "gpt2"])
+def test_backward_inside_autocast_clips_in_float32(family, dtype, mode):
+    """``loss.backward()`` called inside the ``torch.autocast`` block (against PyTorch's advice, but common): the
+    engine's hooks and end-of-backward clipping then run inside the autocast region, where its Gram and contraction
+    products would round to the autocast dtype; a norm underestimated by that rounding lets a clipped gradient
+    exceed the threshold. The release must equal, to float32 rounding, the one with the backward outside the block
+    (same forward, so the same captured tensors); with the clipping math under autocast they differed by about
+    the unit roundoff (bf16 ~4e-3)."""
+    released = []
+    for inside in (False, True):
+        model, loss, data = build(family)
+        names = trainable_names(model)
+        B = sum(x[0].shape[0] for x, _ in data)
+        psg = autocast_psg(model, loss, data, names, dtype)
+        R = choose_R(psg, make_groups(model, "all-layer", names), "below")  # every sample clipped
+        engine = make_engine(model, batch_size=B, R=R, mode=mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine.attach(opt)
+        for x, y in data:
+            with torch.autocast("cpu", dtype=dtype):
+                lo = loss(model(*x), y).mean()
+                if inside:
+                    lo.backward()
+            if not inside:
+                lo.backward()
+        opt.step()
+        released.append(released_grads(model, names))
+    assert rel_err(released[1], released[0]) < 1e-6, rel_err(released[1], released[0])
