@@ -36,7 +36,7 @@ from torch import nn
 from fastdp import capture_generic, hf_guard, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
-from fastdp.layers.base import LayerKind, autocast_state, no_autocast
+from fastdp.layers.base import LayerKind, autocast_state, clipping_precision
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry
 from fastdp.records import Record
@@ -368,7 +368,7 @@ class Capture:
                 "sample may contribute once per logical step. Do not call backward twice on one graph "
                 "(retain_graph=True) under a PrivacyEngine.")
         grad = grad.detach()
-        with no_autocast():  # a backward pass inside torch.autocast: the clipping math stays in float32
+        with clipping_precision():  # float32 at full precision, also in a backward pass inside torch.autocast
             if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
                 grad = rec.kind.reduce_without_activation(rec.module, grad)
             rec.grads[k] = grad
@@ -387,7 +387,7 @@ class Capture:
             try:
                 # GhostClip's and the generic path's replays call the modules again (inert hooks; they re-enter
                 # the forward's own autocast regions); the rest runs outside any autocast region
-                with self.inert_hooks(), no_autocast():
+                with self.inert_hooks(), clipping_precision():
                     result = clipped_sums(done, self.plan.param_of, cfg, stream)
             except BaseException:
                 if stream is not None:

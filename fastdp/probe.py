@@ -98,10 +98,10 @@ from torch import nn
 
 from fastdp.clipped_sums import ClipConfig, clipped_sums
 from fastdp.layers import generic, layout
-from fastdp.layers.base import autocast_state, no_autocast
+from fastdp.layers.base import autocast_state, clipping_precision
 from fastdp.layers.generic import GENERIC
 from fastdp.plan import trainable_change
-from fastdp.torch_api import TorchFunctionMode, tree_flatten, tree_map
+from fastdp.torch_api import TorchFunctionMode, ieee_float32, tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,9 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     suspects: list[str] = []
     fell_back: bool | None = None
     try:
-        with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad():
+        # every pass of the probe at full float32 precision (a user's TF32 / bf16 setting would put rounding noise of
+        # about 1e-2 between the engine's and the reference's per-sample gradients; autocast still applies)
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad(), ieee_float32():
             with DeterministicDropout() as det:
                 findings = _run(engine, model, args, kwargs, B)
                 for k in range(1, B - 1, 2):  # rounding noise only: the other samples, two at a time
@@ -677,7 +679,7 @@ def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], in
     weights = {i: float(w[i]) for i in indices}
     engine._capture.inert_depth += 1
     try:
-        with no_autocast():  # the engine's clipping math in float32, as in training (fastdp.layers.base)
+        with clipping_precision():  # the engine's clipping math in float32, as in training (fastdp.layers.base)
             rows = _rows(records, engine.plan.param_of, params, indices)
             cfg = ClipConfig(mode=engine.clip_config.mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
                              thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,

@@ -6,7 +6,8 @@ A torch upgrade that changes one of them breaks here, in one place. Each was tes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -55,6 +56,34 @@ def run_by_torch_compile() -> bool:
             return True
         f = f.f_back
     return False
+
+
+#: the backends whose float32 matrix products and convolutions may run at reduced precision
+#: (``torch.backends.<backend>.fp32_precision``: ``"tf32"``, ``"bf16"``; cuDNN convolutions default to TF32)
+_FP32_PRECISION_BACKENDS = (("cuda", "matmul"), ("cudnn", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv"))
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """Inside, float32 matrix products and convolutions run at full IEEE precision on every backend, whatever the
+    user set (TF32 on CUDA, bf16 or TF32 in oneDNN on CPU); the settings are restored on exit.
+
+    Version-dependent (the ``fp32_precision`` settings replaced ``allow_tf32`` in torch 2.9; older ones are
+    skipped). The settings are process-wide, so another thread's products inside the block run at IEEE precision
+    too (slower, never less exact).
+    """
+    saved = []
+    for backend, op in _FP32_PRECISION_BACKENDS:
+        target = getattr(getattr(torch.backends, backend, None), op, None)
+        value = getattr(target, "fp32_precision", None)
+        if value is not None and value != "ieee":
+            saved.append((target, value))
+            target.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for target, value in reversed(saved):
+            target.fp32_precision = value
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
@@ -118,5 +147,6 @@ def fsdp_unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
 
 
 __all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
+           "ieee_float32",
            "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
            "tree_map", "tree_unflatten"]

@@ -36,6 +36,7 @@ from torch import nn
 
 from fastdp.layers._factored import Factors
 from fastdp.layers.spec import DocRow, OracleCase, Refusal
+from fastdp.torch_api import ieee_float32
 
 #: dtypes computed in float32 for norms and sums (mixed precision).
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -67,12 +68,15 @@ def replay_autocast(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None
         yield
 
 
-def no_autocast() -> contextlib.AbstractContextManager[None]:
-    """Leave every active autocast region. The clipping stage runs in it: a backward pass called inside
-    ``torch.autocast`` would otherwise run the per-sample norms' and clipped sums' matrix products in float16 or
-    bfloat16 (three significant digits: a norm underestimated by 0.4 % lets a clipped gradient exceed the
-    threshold by as much)."""
-    return replay_autocast(())
+@contextlib.contextmanager
+def clipping_precision() -> Iterator[None]:
+    """The numerics of the clipping stage: outside every active autocast region, and float32 products at full
+    IEEE precision (:func:`fastdp.torch_api.ieee_float32`). A backward pass called inside ``torch.autocast``, or a
+    user's TF32 / bf16 setting for float32 products (cuDNN convolutions use TF32 by default), would otherwise form
+    the per-sample norms' Gram products and the contractions at about three significant digits: a norm
+    underestimated by 0.1-0.4 % lets a clipped gradient exceed the threshold by as much."""
+    with replay_autocast(()), ieee_float32():
+        yield
 
 
 def to_accumulation(t: torch.Tensor) -> torch.Tensor:
