@@ -73,13 +73,20 @@ class RepresentationNoise(nn.Module):
         return self.noise_multiplier * self.clip_norm
 
     def clip(self, h: torch.Tensor) -> torch.Tensor:
-        """``h_i * min(1, C / ||h_i||)`` per sample (dim 0), without noise; shape ``(B, *rest)``."""
+        """``h_i * min(1, C / ||h_i||)`` per sample (dim 0), without noise; shape ``(B, *rest)``.
+
+        Half precision (float16, bfloat16): computed in float32 and rounded once at the end; rounding to nearest
+        can lengthen a row by the unit roundoff ``u = eps / 2`` (0.4 % in bfloat16), so such rows are clipped to
+        ``C / (1 + eps)`` and every returned row has norm at most ``C`` (the sensitivity bound holds exactly)."""
         if h.dim() == 0:
             raise ValueError("RepresentationNoise needs a tensor with a sample dimension (dim 0), got a scalar")
         flat = h.reshape(h.shape[0], -1)
-        norms = flat.float().norm(dim=1) if flat.dtype in (torch.float16, torch.bfloat16) else flat.norm(dim=1)
-        scale = torch.where(norms > self.clip_norm, self.clip_norm / norms.clamp_min(1e-30), torch.ones_like(norms))
-        return (flat * scale.to(flat.dtype).unsqueeze(1)).reshape(h.shape)
+        low = flat.dtype in (torch.float16, torch.bfloat16)
+        work = flat.float() if low else flat
+        bound = self.clip_norm / (1.0 + torch.finfo(flat.dtype).eps) if low else self.clip_norm
+        norms = work.norm(dim=1)
+        scale = torch.where(norms > bound, bound / norms.clamp_min(1e-30), torch.ones_like(norms))
+        return (work * scale.unsqueeze(1)).to(flat.dtype).reshape(h.shape)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Clip and noise in training mode; identity in eval mode. ``(B, *rest) -> (B, *rest)``."""
