@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import capture_generic, hf_guard, probe, session
+from fastdp import capture_generic, empty_batch, hf_guard, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
 from fastdp.layers.base import LayerKind, autocast_state
@@ -297,6 +297,8 @@ class Capture:
             self.drop_forwards({frame.fid}, f"the model's forward call raised {type(sys.exc_info()[1]).__name__}")
             if not self.roots:
                 self.reset_call_stacks()
+                if frame.batch == 0:  # an empty batch the model cannot run: say what to do (fastdp.empty_batch)
+                    empty_batch.note_failed_empty_forward(sys.exc_info()[1])
 
     def _outside_use(self, name: str, grad: torch.Tensor) -> None:
         if self.probe.reference:  # the structure probe's reference passes differentiate the parameters
