@@ -157,7 +157,7 @@ def fix(model: nn.Module, num_groups: int | None = None) -> nn.Module:
 
     Raises:
         ValueError: ``num_groups`` does not divide a BatchNorm's channels; a lazy BatchNorm not yet run; a BatchNorm
-            subclass with an unknown ``forward``.
+            subclass with an unknown ``forward``. The model is then left unchanged.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -167,13 +167,13 @@ def fix(model: nn.Module, num_groups: int | None = None) -> nn.Module:
         return _replace(model, "", num_groups)
     paths = {id(m): p for p, m in model.named_modules()}
     new: dict[int, nn.Module] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent._modules.items()):
-            if not isinstance(child, _BatchNorm):
-                continue
-            if id(child) not in new:
-                new[id(child)] = _replace(child, paths.get(id(child), name), num_groups)
-            setattr(parent, name, new[id(child)])
+    slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
+             if isinstance(child, _BatchNorm)]
+    for _parent, name, child in slots:  # every replacement built (or refused) before the model changes
+        if id(child) not in new:
+            new[id(child)] = _replace(child, paths.get(id(child), name), num_groups)
+    for parent, name, child in slots:
+        setattr(parent, name, new[id(child)])
     if not new:
         logger.info("fastdp.validate.fix: no BatchNorm to replace")
     return model

@@ -287,6 +287,8 @@ def test_fix_refuses_a_batchnorm_with_an_unknown_forward():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x) + 1
 
+    model = nn.Sequential(nn.BatchNorm2d(4), Shifted(4))
     with pytest.raises(ValueError, match=r"module '1' \(Shifted\) is a BatchNorm subclass whose forward is .*Shifted"
                                          r".*GroupNormAct"):
-        fix(nn.Sequential(nn.Conv2d(3, 4, 1), Shifted(4)))
+        fix(model)
+    assert type(model[0]) is nn.BatchNorm2d  # nothing replaced: the model is unchanged
