@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import capture_generic, hf_guard, probe, session
+from fastdp import capture_generic, empty_batch, hf_guard, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
 from fastdp.layers.base import LayerKind, autocast_state, clipping_precision
@@ -127,6 +127,9 @@ class Capture:
         self.owner_layouts = layout.OwnerLayouts()
         self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)
         self._handles: list[Any] = []
+        #: the Hugging Face labels= guards (fastdp.hf_guard): independent of the plan, so kept across the replans of
+        #: the probe's fallback, which run inside the model's forward call (see remove)
+        self._guard_handles: list[Any] = []
 
     # ------------------------------------------------------------------ install / remove
     @property
@@ -179,15 +182,24 @@ class Capture:
             if is_batchnorm(module):
                 hooks.append(module.register_forward_pre_hook(partial(_batchnorm_guard, mname)))
         # Hugging Face models called with labels=: their internal loss mixes samples (fastdp.hf_guard)
-        hooks.extend(hf_guard.install(root, self.engine.loss_reduction))
+        if not self._guard_handles:
+            self._guard_handles = hf_guard.install(root, self.engine.loss_reduction)
         # registered last, so it runs after every other forward hook of the root
         hooks.append(root.register_forward_hook(self._root_post, always_call=True))
 
-    def remove(self) -> None:
-        """Remove the model hooks and restore ``requires_grad`` of a call left open."""
+    def remove(self, keep_guards: bool = False) -> None:
+        """Remove the model hooks and restore ``requires_grad`` of a call left open.
+
+        ``keep_guards`` (a replan): the ``labels=`` guards stay. The probe's fallback replans inside the root's
+        forward pre-hook, and torch then still calls the pre-hooks it listed for that call, a removed one as if it
+        took no keyword arguments: a removed guard would fail with a ``TypeError`` (T5 with a key/value cache)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if not keep_guards:
+            for h in self._guard_handles:
+                h.remove()
+            self._guard_handles = []
         sharding = getattr(self.engine, "_sharding", None)
         if sharding is not None:
             sharding.forget_hooks()
@@ -297,6 +309,8 @@ class Capture:
             self.drop_forwards({frame.fid}, f"the model's forward call raised {type(sys.exc_info()[1]).__name__}")
             if not self.roots:
                 self.reset_call_stacks()
+                if frame.batch == 0:  # an empty batch the model cannot run: say what to do (fastdp.empty_batch)
+                    empty_batch.note_failed_empty_forward(sys.exc_info()[1])
 
     def _outside_use(self, name: str, grad: torch.Tensor) -> None:
         if self.probe.reference:  # the structure probe's reference passes differentiate the parameters

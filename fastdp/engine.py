@@ -330,7 +330,7 @@ class PrivacyEngine:
     def _replan(self, *, reinstall: bool) -> None:
         """Build the plan again (trainable set or owners changed) and, if attached, reinstall the model hooks."""
         if reinstall:
-            self._capture.remove()
+            self._capture.remove(keep_guards=True)  # the labels= guards do not depend on the plan
         self.plan = build_plan(self.model, self._extra_owned)
         self._configure_groups()
         if reinstall:

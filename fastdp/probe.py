@@ -319,6 +319,8 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                 fell_back = _fallback(engine, model, args, kwargs, B)
                 if fell_back:
                     findings = []
+                elif _model_raises(engine, model, args, kwargs, findings):
+                    findings = None  # the model's own error (T5 without decoder_input_ids): the real pass raises it
     finally:
         engine._capture.probe.running = False
         engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
@@ -459,6 +461,22 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         _free(records)
     engine._capture.probe.learned = learned
     return findings + _compare(engine, names, params, indices, rows, refs, total, weights)
+
+
+def _model_raises(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  findings: list[Finding]) -> bool:
+    """Whether every finding is a failed engine pass and the model, on the same batch with every engine hook inert
+    (nothing expanded), raises the same error: then the failure is the model's own (a wrong call), not a sign of
+    mixed samples, and the real pass is left to raise it, not a :class:`StructureError` naming no parameter."""
+    if not findings or any(f.check != _ENGINE_FAILED for f in findings):
+        return False
+    try:
+        _restore_buffers(engine._capture.probe.buffers)
+        with _Inert(engine):
+            model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - compared with the engine pass's error
+        return all(f.detail == f"{type(e).__name__}: {e}" for f in findings)
+    return False
 
 
 def _batch_lost(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool:

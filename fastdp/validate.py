@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdp import norm_act
 from fastdp.layers.registry import refusals
 from fastdp.torch_api import BatchNormBase as _BatchNorm
 
@@ -112,6 +113,20 @@ def _group_norm_for(bn: _BatchNorm, path: str, num_groups: int | None) -> nn.Gro
     return gn
 
 
+def _replace(bn: _BatchNorm, path: str, num_groups: int | None) -> nn.Module:
+    """The GroupNorm for ``bn``, with its fused activation and drop layer kept (:func:`fastdp.norm_act.replacement`);
+    logged."""
+    where = _where(path, bn)
+    out = norm_act.replacement(bn, _group_norm_for(bn, path, num_groups), where)
+    if isinstance(out, norm_act.GroupNormAct):
+        logger.info("fastdp.validate.fix: %s %s -> %s (its fused activation %s and drop layer %s kept: "
+                    "act(drop(GroupNorm(x))))", path or "<model>", bn, out.norm, type(out.act).__name__,
+                    type(out.drop).__name__)
+    else:
+        logger.info("fastdp.validate.fix: %s %s -> %s", path or "<model>", bn, out)
+    return out
+
+
 def fix(model: nn.Module, num_groups: int | None = None) -> nn.Module:
     """Replace every BatchNorm (BatchNorm1d/2d/3d, their lazy forms, SyncBatchNorm) by ``nn.GroupNorm``, in place.
 
@@ -127,31 +142,38 @@ def fix(model: nn.Module, num_groups: int | None = None) -> nn.Module:
       failure of Opacus issue #567 with ``gcd(32, C)`` groups). The same happens with 2d/3d inputs whose spatial
       size is 1 when ``C <= 32``: pass ``num_groups`` there.
 
+    A BatchNorm with a fused activation (timm's ``BatchNormAct2d``: ``act(drop(BN(x)))``) becomes a
+    :class:`fastdp.norm_act.GroupNormAct`, ``act(drop(GroupNorm(x)))`` with the BatchNorm's own activation and drop
+    layer, its parameters in a plain ``nn.GroupNorm`` child ``.norm`` (clipped by the engine's GroupNorm kind); its
+    parameter paths get ``.norm`` (``bn1.weight`` -> ``bn1.norm.weight``). Another BatchNorm subclass that
+    overrides ``forward`` is refused (``ValueError`` naming it): what else it computes is unknown.
+
     A BatchNorm registered at several places is replaced by one shared GroupNorm. Each replacement is logged at
-    INFO level. Call it before building the optimizer (the GroupNorm parameters are new tensors).
+    INFO level (saying so where an activation was kept). Call it before building the optimizer (the GroupNorm
+    parameters are new tensors).
 
     Returns:
-        ``model`` (or the new GroupNorm if ``model`` itself is a BatchNorm, which cannot be replaced in place).
+        ``model`` (or the replacement if ``model`` itself is a BatchNorm, which cannot be replaced in place).
+
+    Raises:
+        ValueError: ``num_groups`` does not divide a BatchNorm's channels; a lazy BatchNorm not yet run; a BatchNorm
+            subclass with an unknown ``forward``. The model is then left unchanged.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1):
         raise ValueError(f"num_groups={num_groups!r} must be a positive integer or None")
     if isinstance(model, _BatchNorm):
-        gn = _group_norm_for(model, "", num_groups)
-        logger.info("fastdp.validate.fix: <model> %s -> %s", model, gn)
-        return gn
+        return _replace(model, "", num_groups)
     paths = {id(m): p for p, m in model.named_modules()}
-    new: dict[int, nn.GroupNorm] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent._modules.items()):
-            if not isinstance(child, _BatchNorm):
-                continue
-            if id(child) not in new:
-                path = paths.get(id(child), name)
-                new[id(child)] = _group_norm_for(child, path, num_groups)
-                logger.info("fastdp.validate.fix: %s %s -> %s", path, child, new[id(child)])
-            setattr(parent, name, new[id(child)])
+    new: dict[int, nn.Module] = {}
+    slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
+             if isinstance(child, _BatchNorm)]
+    for _parent, name, child in slots:  # every replacement built (or refused) before the model changes
+        if id(child) not in new:
+            new[id(child)] = _replace(child, paths.get(id(child), name), num_groups)
+    for parent, name, child in slots:
+        setattr(parent, name, new[id(child)])
     if not new:
         logger.info("fastdp.validate.fix: no BatchNorm to replace")
     return model

@@ -194,3 +194,101 @@ def test_default_num_groups(c, g):
 def test_default_num_groups_rejects_bad_input():
     with pytest.raises(ValueError, match="num_channels=0"):
         default_num_groups(0)
+
+
+# ---------------------------------------------------------------------------------------------- fused activations
+class Halve(nn.Module):
+    """A deterministic stand-in for timm's drop layer (dropout, DropBlock), so that keeping it shows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x
+
+
+class FusedNet(nn.Module):
+    """Conv -> timm BatchNormAct2d (GELU, not in place; a drop layer) -> Conv -> BatchNormAct2d (SiLU in place, no
+    drop) -> BatchNormAct2d without activation -> pool -> Linear. 8 channels, 5x5 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from timm.layers.norm_act import BatchNormAct2d
+
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = BatchNormAct2d(8, act_layer=nn.GELU, inplace=False, drop_layer=Halve)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = BatchNormAct2d(8, act_layer=nn.SiLU)
+        self.bn3 = BatchNormAct2d(8, apply_act=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn3(self.bn2(self.conv2(self.bn1(self.conv1(x)))))
+        return self.head(h.mean((2, 3)))
+
+
+def _fused_fixed() -> nn.Module:
+    pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = FusedNet().double()
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2, model.bn3):
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-1, 1)
+    return fix(model, num_groups=4)
+
+
+def test_fix_keeps_a_fused_activation_and_drop_layer(caplog):
+    from fastdp.norm_act import GroupNormAct
+
+    pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = FusedNet().double()
+    acts = model.bn1.act, model.bn2.act
+    weight = model.bn1.weight.detach().clone()
+    with caplog.at_level(logging.INFO, logger="fastdp.validate"):
+        fix(model, num_groups=4)
+    assert "bn1 BatchNormAct2d" in caplog.text and "fused activation GELU and drop layer Halve kept" in caplog.text
+    assert "fused activation SiLU and drop layer Identity kept" in caplog.text
+    assert not any(isinstance(m, _BatchNorm) for m in model.modules()) and find_problems(model) == []
+    for bn, act in zip((model.bn1, model.bn2), acts, strict=True):
+        assert isinstance(bn, GroupNormAct) and type(bn.norm) is nn.GroupNorm and bn.act is act
+        assert (bn.num_groups, bn.num_channels, bn.eps, bn.affine) == (4, 8, 1e-5, True)
+    assert isinstance(model.bn1.drop, Halve) and type(model.bn3) is nn.GroupNorm  # no activation: a plain GroupNorm
+    assert torch.equal(model.bn1.norm.weight, weight)
+    assert sorted(n for n, _ in model.bn1.named_parameters()) == ["norm.bias", "norm.weight"]
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    gn = model.bn1.norm
+    torch.testing.assert_close(model.bn1(x), nn.functional.gelu(0.5 * gn(x)), rtol=0, atol=0)
+    torch.testing.assert_close(model.bn2(x), nn.functional.silu(model.bn2.norm(x)), rtol=0, atol=0)
+
+
+def test_fused_groupnorm_is_clipped_by_the_groupnorm_kind():
+    from model_oracle import check_engine
+    from oracle import MODES, make_engine
+
+    for k, (mode, b) in enumerate(zip(MODES, [3, 1, 8, 4, 3], strict=False)):  # 8: B equals the channels
+        model = _fused_fixed()
+        rows = {r["module"]: r["kind"] for r in make_engine(model, batch_size=b).plan.describe()}
+        assert rows["bn1.norm"] == rows["bn2.norm"] == rows["bn3"] == "GroupNorm" and "bn1" not in rows, rows
+        g = torch.Generator().manual_seed(k)
+        data = [((torch.randn(n, 3, 5, 5, generator=g, dtype=torch.float64),),
+                 torch.randn(n, 3, generator=g, dtype=torch.float64)) for n in ([b, 0, 2] if b == 3 else [b])]
+        check_engine(model, lambda out, y: 0.5 * (out - y).pow(2).sum(1), data, mode=mode)
+
+
+def test_fixed_fused_groupnorm_loads_a_plain_groupnorm_state_dict():
+    model = _fused_fixed()
+    old = {k.replace("norm.", ""): v + 1 for k, v in model.state_dict().items()}  # as fix wrote it before
+    model.load_state_dict(old)
+    assert torch.equal(model.bn1.norm.weight, old["bn1.weight"]) and torch.equal(model.bn2.norm.bias, old["bn2.bias"])
+    model.load_state_dict({k: v - 1 for k, v in model.state_dict().items()})  # its own keys
+
+
+def test_fix_refuses_a_batchnorm_with_an_unknown_forward():
+    class Shifted(nn.BatchNorm2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + 1
+
+    model = nn.Sequential(nn.BatchNorm2d(4), Shifted(4))
+    with pytest.raises(ValueError, match=r"module '1' \(Shifted\) is a BatchNorm subclass whose forward is .*Shifted"
+                                         r".*GroupNormAct"):
+        fix(model)
+    assert type(model[0]) is nn.BatchNorm2d  # nothing replaced: the model is unchanged

@@ -253,6 +253,34 @@ def test_empty_poisson_batch_is_a_step(tmp_path):
     assert all(float(g.abs().max()) == 0.0 for g in rec.grads[0].values())
 
 
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_step_with_empty_and_full_micro_batches_releases_the_oracle_clipped_sum(tmp_path, family):
+    """A Poisson batch split into micro-batches of which some are empty (not run through the model) and some not:
+    one step, the oracle's clipped sum of the non-empty ones divided by the expected batch size."""
+    make, data_fn, loss, keys = FAMILIES[family]
+    model, data = make(), data_fn()
+    template = copy.deepcopy(model)
+    b, gas = 1, 4
+    for seed in range(500):
+        seed, micro = first_step(seed, b, gas, at_least=2)
+        if any(not m for m in micro):
+            break
+    assert any(not m for m in micro) and sum(map(len, micro)) >= 2, micro
+    om = KW(oracle_model(template), keys)
+    names = [f"m.{n}" for n, p in template.named_parameters() if p.requires_grad]
+    psg = per_sample_grads(om, loss, oracle_batches(data, micro, keys, template), names)
+    groups = make_groups(om, "all-layer", names)
+    R = choose_R(psg, groups, "middle")
+    want = clipped_sum(psg, groups, "abadi", R, b * gas)
+    tr, rec = make_trainer(model, targs(tmp_path, per_device_train_batch_size=b, gradient_accumulation_steps=gas),
+                           data, {"noise_multiplier": 0.0, "max_grad_norm": R}, seed)
+    with pytest.warns(UserWarning, match="NOT"):
+        tr.train()
+    assert sorted(x["input_ids"].shape[0] for x in tr.seen) == sorted(len(m) for m in micro if m)
+    assert len(rec.grads) == 1 and tr.engine.steps == 1 and tr.engine.accountant.ledger.steps == 1
+    assert_close(to_oracle_names(rec.grads[0]), want)
+
+
 # --------------------------------------------------------------------------- virtual batches with noise
 def test_accumulated_step_equals_the_engine_by_hand(tmp_path):
     model, data = bert_cls(), cls_data()

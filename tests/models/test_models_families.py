@@ -37,6 +37,7 @@ invariant), hold only float32 rounding noise (~1e-9) that no relative tolerance 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -401,20 +402,27 @@ def test_timm_batchnorm_in_train_mode_is_refused(make):
         make_engine(model, batch_size=4)
 
 
-@pytest.mark.xfail(strict=True, reason="fastdp.validate.fix replaces timm's BatchNormAct2d (BatchNorm + fused "
-                   "activation, e.g. SiLU) by a plain nn.GroupNorm: the activation is silently dropped and the model "
-                   "changes (not a privacy issue: the changed model is still clipped exactly)")
-def test_validate_fix_keeps_timm_fused_activation():
+def test_validate_fix_keeps_timm_fused_activation(caplog):
+    """timm's BatchNormAct2d is act(drop(BN(x))): fix keeps its activation (and drop layer) around the GroupNorm,
+    whose parameters stay in a plain nn.GroupNorm (``.norm``: the state dict holds ``bn1.norm.weight``), so the
+    engine clips them with its GroupNorm kind, not on the generic path."""
     pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm_efficientnet().to(D)
     bn = model.bn1
-    assert isinstance(bn.act, nn.SiLU)
-    fastdp.validate.fix(model)
+    act = bn.act
+    assert isinstance(act, nn.SiLU)
+    with caplog.at_level(logging.INFO, logger="fastdp.validate"):
+        fastdp.validate.fix(model)
+    assert "bn1 BatchNormAct2d" in caplog.text and "fused activation SiLU and drop layer Identity kept" in caplog.text
+    assert model.bn1.act is act and type(model.bn1.norm) is nn.GroupNorm
     x = torch.randn(2, bn.num_features, 4, 4, dtype=D)
     gn = nn.GroupNorm(model.bn1.num_groups, bn.num_features, eps=bn.eps).to(D)
-    gn.load_state_dict(model.bn1.state_dict())
+    gn.load_state_dict(model.bn1.norm.state_dict())
     torch.testing.assert_close(model.bn1(x), F.silu(gn(x)))
+    engine = make_engine(model, batch_size=3)
+    kinds = {row["module"]: row["kind"] for row in engine.plan.describe()}
+    assert kinds["bn1.norm"] == "GroupNorm" and "bn1" not in kinds, kinds
 
 
 # --------------------------------------------------------------------------- CLIP contrastive losses
