@@ -58,32 +58,61 @@ def run_by_torch_compile() -> bool:
     return False
 
 
-#: the backends whose float32 matrix products and convolutions may run at reduced precision
-#: (``torch.backends.<backend>.fp32_precision``: ``"tf32"``, ``"bf16"``; cuDNN convolutions default to TF32)
-_FP32_PRECISION_BACKENDS = (("cuda", "matmul"), ("cudnn", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv"))
+#: the backends whose float32 matrix products, convolutions and RNNs may run at reduced precision
+#: (``torch.backends.<backend>.<op>.fp32_precision``: ``"tf32"``, ``"bf16"``; cuDNN convolutions default to TF32)
+_FP32_PRECISION_BACKENDS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"), ("mkldnn", "matmul"),
+                            ("mkldnn", "conv"), ("mkldnn", "rnn"))
+
+
+def _fp32_precision_targets() -> list[Any]:
+    """The ``torch.backends.<backend>.<op>`` objects that have an ``fp32_precision`` setting (torch >= 2.9)."""
+    out = []
+    for backend, op in _FP32_PRECISION_BACKENDS:
+        target = getattr(getattr(torch.backends, backend, None), op, None)
+        if target is not None and hasattr(target, "fp32_precision"):
+            out.append(target)
+    return out
+
+
+def _legacy_setting(read: Callable[[], Any], untouched: Any) -> Any:
+    """A legacy TF32 setting (``torch.get_float32_matmul_precision()``, ``torch.backends.cudnn.allow_tf32``).
+    torch >= 2.9 refuses to read one once the new ``fp32_precision`` settings disagree with it ("a mix of the
+    legacy and new APIs"): the user then set only the new ones, so the legacy one still holds its default."""
+    try:
+        return read()
+    except RuntimeError:
+        return untouched
 
 
 @contextlib.contextmanager
 def ieee_float32() -> Iterator[None]:
-    """Inside, float32 matrix products and convolutions run at full IEEE precision on every backend, whatever the
-    user set (TF32 on CUDA, bf16 or TF32 in oneDNN on CPU); the settings are restored on exit.
+    """Inside, float32 matrix products, convolutions and RNNs run at full IEEE precision on every backend, whatever
+    the user set (TF32 on CUDA, bf16 or TF32 in oneDNN on CPU); the settings are restored on exit.
 
-    Version-dependent (the ``fp32_precision`` settings replaced ``allow_tf32`` in torch 2.9; older ones are
-    skipped). The settings are process-wide, so another thread's products inside the block run at IEEE precision
-    too (slower, never less exact).
+    torch keeps two sets of settings: the legacy ones (``torch.set_float32_matmul_precision``,
+    ``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``) and, from torch 2.9, the
+    ``fp32_precision`` ones, and it raises ("a mix of the legacy and new APIs") when it consults a legacy one that
+    disagrees with the new one, which cuBLAS does for every float32 product on CUDA. Both are therefore set, to
+    agree (legacy: ``"highest"`` and no cuDNN TF32; new: ``"ieee"`` everywhere), and both are restored: the legacy
+    ones first (their setters also write the new ones), then the new ones exactly as they were. The settings are
+    process-wide, so another thread's products inside the block run at IEEE precision too (slower, never less
+    exact).
     """
-    saved = []
-    for backend, op in _FP32_PRECISION_BACKENDS:
-        target = getattr(getattr(torch.backends, backend, None), op, None)
-        value = getattr(target, "fp32_precision", None)
-        if value is not None and value != "ieee":
-            saved.append((target, value))
-            target.fp32_precision = "ieee"
+    targets = _fp32_precision_targets()
+    saved_new = [(t, t.fp32_precision) for t in targets]
+    saved_matmul = _legacy_setting(torch.get_float32_matmul_precision, "highest")
+    saved_cudnn = _legacy_setting(lambda: torch.backends.cudnn.allow_tf32, True)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    for t, _ in saved_new:
+        t.fp32_precision = "ieee"
     try:
         yield
     finally:
-        for target, value in reversed(saved):
-            target.fp32_precision = value
+        torch.set_float32_matmul_precision(saved_matmul)
+        torch.backends.cudnn.allow_tf32 = saved_cudnn
+        for t, value in saved_new:
+            t.fp32_precision = value
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:

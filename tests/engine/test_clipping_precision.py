@@ -16,16 +16,11 @@ from torch import nn
 
 import fastdp
 import fastdp.layers._matmul as matmul_mod
-from fastdp.torch_api import _FP32_PRECISION_BACKENDS, ieee_float32
+from fastdp.torch_api import _fp32_precision_targets, ieee_float32
 
 
 def _targets():
-    out = []
-    for backend, op in _FP32_PRECISION_BACKENDS:
-        target = getattr(getattr(torch.backends, backend, None), op, None)
-        if target is not None and hasattr(target, "fp32_precision"):
-            out.append(target)
-    return out
+    return _fp32_precision_targets()
 
 
 def _reduced_precision_matmul_available() -> bool:
@@ -42,21 +37,74 @@ def _reduced_precision_matmul_available() -> bool:
 
 def test_ieee_float32_sets_and_restores_every_backend():
     targets = _targets()
-    assert len(targets) == 4
+    assert len(targets) == 6
     saved = [t.fp32_precision for t in targets]
     try:
         for t in targets:
             t.fp32_precision = "tf32"
-        targets[2].fp32_precision = "bf16"
+        targets[3].fp32_precision = "bf16"
         before = [t.fp32_precision for t in targets]
         with pytest.raises(ValueError, match="inside"):
             with ieee_float32():
-                assert [t.fp32_precision for t in targets] == ["ieee"] * 4
+                assert [t.fp32_precision for t in targets] == ["ieee"] * 6
                 raise ValueError("inside")
         assert [t.fp32_precision for t in targets] == before
     finally:
         for t, v in zip(targets, saved, strict=True):
             t.fp32_precision = v
+
+
+def _observed() -> tuple:
+    """Every TF32 setting as the user (and cuBLAS / cuDNN) reads it; "raises" where torch refuses a legacy read
+    because the legacy and new settings disagree (cuBLAS makes the same check before every float32 product)."""
+    def read(get):
+        try:
+            return get()
+        except RuntimeError:
+            return "raises"
+    return (read(lambda: torch.backends.cuda.matmul.allow_tf32), read(torch.get_float32_matmul_precision),
+            read(lambda: torch.backends.cudnn.allow_tf32), tuple(t.fp32_precision for t in _targets()))
+
+
+USER_SETTINGS = {
+    "untouched": lambda: None,
+    "legacy cuda.matmul.allow_tf32": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "legacy matmul precision high": lambda: torch.set_float32_matmul_precision("high"),
+    "legacy matmul precision medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "legacy cudnn.allow_tf32 off": lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
+    "new cuda.matmul tf32": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "new mkldnn.matmul bf16": lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+    "new cudnn.conv ieee": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+    "legacy high then new cuda ieee": lambda: (torch.set_float32_matmul_precision("high"),
+                                               setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")),
+}
+
+
+@pytest.fixture
+def pristine_tf32_settings():
+    saved = [(t, t.fp32_precision) for t in _targets()]
+    yield
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True
+    for t, v in saved:
+        t.fp32_precision = v
+
+
+@pytest.mark.skipif(len(_targets()) < 6, reason="torch < 2.9 has only the legacy TF32 settings")
+@pytest.mark.parametrize("setting", list(USER_SETTINGS))
+def test_inside_the_block_every_setting_reads_ieee_and_the_users_settings_come_back(setting,
+                                                                                    pristine_tf32_settings):
+    """Whatever mix of legacy and new TF32 settings the user made, inside ``ieee_float32`` every reader (the
+    legacy getters that cuBLAS and cuDNN consult included) sees IEEE float32 without raising, and afterwards every
+    setting reads as before. With only the new settings switched to "ieee", a user's legacy
+    ``set_float32_matmul_precision("high")`` made the legacy read raise inside the block, the check cuBLAS makes
+    before each float32 product on CUDA."""
+    USER_SETTINGS[setting]()
+    before = _observed()
+    with ieee_float32():
+        inside = _observed()
+    assert inside == (False, "highest", False, ("ieee",) * 6), inside
+    assert _observed() == before
 
 
 class _Net(nn.Module):
