@@ -238,6 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--max-batch", action="store_true", default=None,
                    help="search the largest batch per method (default: on CUDA only)")
+    p.add_argument("--no-max-batch", dest="max_batch", action="store_false",
+                   help="skip the largest-batch search (on by default on CUDA)")
     p.add_argument("--max-batch-cap", type=int, default=4096)
     p.add_argument("--quick", action="store_true", help="tiny smoke run: tiny widths, size 16, batch 2, 1 round")
     p.add_argument("--write-docs", action="store_true", help="regenerate every table in the docs afterwards")
