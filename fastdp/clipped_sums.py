@@ -73,6 +73,21 @@ class BackwardResult:
     #: 0-dim int64 tensor on the norms' device (no host sync), or ``None`` when no norm was computed. Computed from
     #: the raw norms, so it is a NON-PRIVATE diagnostic (:mod:`fastdp.clip_stats`).
     clipped: torch.Tensor | None = None
+    #: ``(B,)`` bool on the norms' device, samples whose gradient has NaN/inf, when the check under
+    #: ``on_nonfinite="raise"`` is deferred to the step's release (:data:`DEFER_NONFINITE_CHECK`); else ``None``
+    nonfinite_mask: torch.Tensor | None = None
+
+
+#: Per device type: whether a non-finite per-sample norm under ``on_nonfinite="raise"`` is looked for when the step
+#: is released (``Release.pre_step``: one host synchronisation per logical step) instead of at the end of the
+#: backward pass that formed it (one per backward pass, which on an accelerator makes the host wait for the GPU
+#: inside ``loss.backward()``). Either way nothing is released from a step with such a sample.
+DEFER_NONFINITE_CHECK: dict[str, bool] = {"cpu": False, "default": True}
+
+
+def defers_nonfinite_check(device: torch.device) -> bool:
+    """Whether the ``on_nonfinite="raise"`` check of norms on ``device`` waits for the step's release."""
+    return DEFER_NONFINITE_CHECK.get(device.type, DEFER_NONFINITE_CHECK["default"])
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
@@ -203,10 +218,13 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
     for param, sq in sq_of.items():
         k = cfg.group_of[param]
         group_sq[k] = group_sq[k] + sq if k in group_sq else sq
+    deferred: torch.Tensor | None = None  # the non-finite samples, checked when the step is released
     if group_sq:
         total_sq = sum(group_sq.values())
         bad = ~torch.isfinite(total_sq)
-        if bool(bad.any()):
+        if cfg.on_nonfinite == "raise" and defers_nonfinite_check(total_sq.device):
+            deferred = bad  # no host synchronisation here: Release checks it before anything is released
+        elif bool(bad.any()):
             idx = bad.nonzero().flatten().tolist()
             if cfg.on_nonfinite not in ("zero", "scaler"):
                 raise NonFiniteGradientError(
@@ -262,4 +280,4 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
                 del out[param]
     clipped = None if over is None else over.sum()
     return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how, unclipped,
-                          clipped)
+                          clipped, deferred)

@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fastdp import accounting, adaptive, distributed
 from fastdp.clip_stats import ClipCounter
-from fastdp.clipped_sums import BackwardResult
+from fastdp.clipped_sums import BackwardResult, NonFiniteGradientError
 from fastdp.noise import noise_dtype, noisy_means, secure_gaussian, secure_noisy_mean
 from fastdp.plan import trainable_change
 from fastdp.sampling_check import SampleRateMonitor
@@ -67,6 +67,10 @@ class Release:
         self.sampling = SampleRateMonitor(engine.batch_size, engine.sample_size)
         self.summed: dict[nn.Parameter, torch.Tensor] = {}
         self.step_samples = 0  # samples seen by the backward passes of the current logical step
+        self.step_passes = 0  # backward passes of the current logical step
+        #: (pass number in the step, (B,) bool mask) of the passes whose non-finite check was deferred to the step
+        #: (clipped_sums.DEFER_NONFINITE_CHECK)
+        self.deferred_nonfinite: list[tuple[int, torch.Tensor]] = []
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
         self.step_unclipped = 0  # samples with ||g_i|| <= R_t this step (adaptive clipping, fastdp.adaptive)
@@ -106,6 +110,9 @@ class Release:
         """Add one completed backward pass's clipped sums to this step's (called by the capture stage)."""
         self.backward_seen = True
         self.step_samples += result.batch_size
+        self.step_passes += 1
+        if result.nonfinite_mask is not None:
+            self.deferred_nonfinite.append((self.step_passes, result.nonfinite_mask))
         self.step_unclipped += result.unclipped
         self.clip_counter.add(result.clipped, result.batch_size)
         if result.nonfinite and self.scaler is not None:  # overflow under the loss scale (fastdp.amp)
@@ -127,6 +134,8 @@ class Release:
         self.engine._capture.pending.clear()
         self.backward_seen = False
         self.step_samples = 0
+        self.step_passes = 0
+        self.deferred_nonfinite = []
         self.overflow_samples = 0
         self.step_unclipped = 0
         self.clip_counter.discard()
@@ -215,6 +224,8 @@ class Release:
             self._adapt(noisy_count)
         self.clip_counter.end_step()
         self.step_samples = 0
+        self.step_passes = 0
+        self.deferred_nonfinite = []
         self.step_unclipped = 0
         self.backward_seen = False
         self.overflow_samples = 0
@@ -245,6 +256,7 @@ class Release:
         if self.refusal is not None:
             self.discard()
             raise RuntimeError(self.refusal)
+        self._check_deferred_nonfinite()
         # `args` starts with the optimizer itself (torch passes step's full positional arguments).
         # accelerate's AcceleratedOptimizer passes closure=None positionally: only a real closure is refused
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
@@ -265,6 +277,32 @@ class Release:
                 f"the accountant's ledger records {self.accountant.ledger.steps} training steps but the engine "
                 f"released {self.steps}: its history was changed outside the engine. Nothing was "
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
+
+    def _check_deferred_nonfinite(self) -> None:
+        """The ``on_nonfinite="raise"`` check deferred from the backward passes of this step (on an accelerator,
+        :data:`fastdp.clipped_sums.DEFER_NONFINITE_CHECK`): one host synchronisation for the step; a sample with a
+        non-finite gradient refuses the whole step (nothing released, the step's sums discarded)."""
+        if not self.deferred_nonfinite:
+            return
+        masks = self.deferred_nonfinite
+        dev = masks[0][1].device
+        counts = torch.stack([m.sum().to(dev) for _, m in masks]).tolist()  # the one synchronisation
+        if not any(counts):
+            self.deferred_nonfinite = []
+            return
+        where = []
+        for (number, mask), c in zip(masks, counts, strict=True):
+            if c:
+                idx = mask.nonzero().flatten().tolist()
+                where.append(f"samples {idx[:10]}{'...' if len(idx) > 10 else ''} of backward pass {number}")
+        self.discard()
+        raise NonFiniteGradientError(
+            f"step {self.step_number}: the per-sample gradients of {'; '.join(where)} of this step (positions in "
+            "each physical batch) contain NaN or infinity. Nothing was released and this step's gradients were "
+            "discarded: run the step's backward passes again. Fix the model or data (e.g. a log of 0, an "
+            "overflow in half precision), or build the engine with on_nonfinite='zero' to give such samples "
+            "clipping factor 0 (still private). (On an accelerator this check runs when the step is released, "
+            "so that the backward pass never waits for the device.)")
 
     # ------------------------------------------------------------------ several ranks
     def _agree_step(self, group: distributed.Group, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],

@@ -232,6 +232,55 @@ def test_nonfinite_gradient_then_retry(mode):
     retry_matches_oracle(model, engine, opt, *data(3, 2))
 
 
+@pytest.fixture
+def deferred_nonfinite_check(monkeypatch):
+    """The accelerator behaviour on the CPU: the on_nonfinite="raise" check waits for the step's release."""
+    import fastdp.clipped_sums as cs
+
+    monkeypatch.setattr(cs, "DEFER_NONFINITE_CHECK", {"cpu": True, "default": True})
+
+
+@pytest.mark.parametrize("bad_pass", [1, 2])
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate"])
+def test_deferred_nonfinite_check_refuses_the_step_then_retry(mode, bad_pass, deferred_nonfinite_check):
+    """On an accelerator the backward pass does not wait for the non-finite check: the step's release makes it,
+    names the backward pass and the sample, discards the step (nothing released or accounted) and a retried step
+    releases exactly the oracle's result."""
+    model, engine, opt = setup(mode)
+    acc = engine.accountant.state_dict()
+    batches = [data(3, 1), data(2, 3)]
+    batches[bad_pass - 1][0][1, 2] = float("nan")
+    for x, y in batches:
+        backward(model, x, y)  # no error here: the check is deferred
+    assert len(engine._release.deferred_nonfinite) == 2
+    with pytest.raises(NonFiniteGradientError, match=rf"step 1: .*samples \[1\] of backward pass {bad_pass} "):
+        opt.step()
+    assert engine._release.deferred_nonfinite == [] and engine._release.step_passes == 0
+    opt.zero_grad(set_to_none=True)
+    assert_clean(engine, model, acc)
+    retry_matches_oracle(model, engine, opt, *data(3, 2))
+
+
+def test_deferred_nonfinite_check_passes_finite_steps_unchanged(deferred_nonfinite_check):
+    model, engine, opt = setup()
+    batches = [data(3, 1), data(3, 3)]
+    want = oracle(model, batches)
+    for x, y in batches:
+        backward(model, x, y)
+    opt.step()
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want)
+    assert engine.steps == 1 and engine._release.deferred_nonfinite == []
+
+
+def test_the_zero_policy_is_not_deferred(deferred_nonfinite_check):
+    """on_nonfinite="zero" needs the verdict in the backward pass itself (the sample's tensors are zeroed there)."""
+    model, engine, opt = setup(on_nonfinite="zero")
+    x, y = data(5, 1)
+    x[2, 1] = float("nan")
+    backward(model, x, y)
+    assert engine._release.deferred_nonfinite == [] and engine.nonfinite_samples == 1
+
+
 def test_step_after_failure_without_retry_is_refused_and_counts_nothing():
     model, engine, opt = setup()
     Boom.armed = torch.OutOfMemoryError("injected")
