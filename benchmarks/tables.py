@@ -74,7 +74,9 @@ def header(results: dict) -> str:
         if any("memory_mb" in r for wl in results["workloads"] for r in wl["methods"].values()):
             warm = (f" after {cfg['mem_warmup']} unmeasured step" if cfg.get("mem_warmup") else
                     " from the first step (before the structure probe existed)")
-            text += (f" Memory: peak growth over {cfg['mem_steps']} steps{warm}, in a fresh process per method "
+            where_mem = ("in the timing process, one method after another (--in-process)" if cfg.get("in_process")
+                         else "in a fresh process per method")
+            text += (f" Memory: peak growth over {cfg['mem_steps']} steps{warm}, {where_mem} "
                      f"({'allocator peak' if env['device'] == 'cuda' else 'peak RSS'}).")
     elif kind == "runs":
         text += (f" {cfg['reps']} alternating rounds of whole {cfg['steps']}-step runs, each with a freshly built "

@@ -113,7 +113,8 @@ class PrivacyEngine:
             docs/guide/secure-mode.md. About 15-35x slower noise; no ``noise_generator``.
         enforce_budget: with ``target_epsilon``, a step that would take epsilon above it raises
             :class:`PrivacyBudgetExceeded` before anything is released.
-        on_nonfinite: ``"raise"`` (default): a sample whose gradient has NaN/inf stops the step with an error;
+        on_nonfinite: ``"raise"`` (default): a sample whose gradient has NaN/inf stops the step with an error
+            (raised by the backward pass on the CPU, by ``optimizer.step()`` on an accelerator);
             ``"zero"``: such samples get clipping factor 0 (still private), counted in ``nonfinite_samples``.
         verify_structure: run the structure probe (:mod:`fastdp.probe`) once per new input signature of the model's
             forward: the engine's per-sample gradients of a few samples are compared with a batch-of-one

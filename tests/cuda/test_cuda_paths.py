@@ -198,13 +198,13 @@ def test_user_tf32_settings_do_not_reach_the_clipping(name, setting, mode):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="TF32 exists only on CUDA")
-@pytest.mark.parametrize("name", ["sequence-linear", "conv"])
+@pytest.mark.parametrize("name", ["sequence-linear"])
 def test_the_tf32_test_can_fail(name, monkeypatch):
     """With the clipping stage left at the user's TF32 setting (``ieee_float32`` made a no-op), the release above
-    is off by more than its tolerance: the test measures what it claims to. In ghost mode, whose Gram products and
-    contractions are matrix products (cuBLAS); measured on an H100: the conv layer in the default mode (per-sample
-    gradients by a grouped cuDNN convolution, summed by a vector-matrix product) came out float32-exact even under
-    TF32, so it cannot show the difference."""
+    is off by more than its tolerance: the test measures what it claims to (ghost mode: Gram products and
+    contractions by cuBLAS). Not for the conv case: on an H100 (torch 2.11) its release came out within 2e-5 even
+    with the guard removed, in the default and in ghost mode, so that case is not shown to detect TF32
+    (docs/results/cuda.md)."""
     import contextlib
 
     import fastdp.layers.base as base
@@ -304,7 +304,7 @@ def test_the_backward_pass_does_not_synchronise_with_the_host(name, mode):
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught
-                     if "synchroniz" in str(w.message)]
+                     if "synchronizing CUDA operation" in str(w.message)]  # (not torch's "prototype" notice)
             assert not syncs, "\n".join(syncs)
         opt.step()
         opt.zero_grad()
