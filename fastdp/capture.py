@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import capture_generic, empty_batch, hf_guard, probe, session
+from fastdp import capture_generic, deferred, empty_batch, hf_guard, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
 from fastdp.layers.base import LayerKind, autocast_state, clipping_precision
@@ -401,7 +401,7 @@ class Capture:
             try:
                 # GhostClip's and the generic path's replays call the modules again (inert hooks; they re-enter
                 # the forward's own autocast regions); the rest runs outside any autocast region
-                with self.inert_hooks(), clipping_precision():
+                with self.inert_hooks(), clipping_precision(), deferred.collecting() as checks:
                     result = clipped_sums(done, self.plan.param_of, cfg, stream)
             except BaseException:
                 if stream is not None:
@@ -409,6 +409,7 @@ class Capture:
                 raise
             if stream is not None:
                 result = stream.finish(result)
+            result.deferred.extend(checks)
         except BaseException as e:
             self.pending.extend(done)
             self.drop_forwards({r.forward for r in done}, f"the end-of-backward clipping raised {type(e).__name__}")

@@ -29,6 +29,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fastdp.clipping import ClipFn
+from fastdp.deferred import DeferredCheck, defers
 from fastdp.layers._matmul import shared_input_grams
 from fastdp.layers.base import accumulation_dtype, replay_autocast
 from fastdp.modes import ClippingMode
@@ -68,26 +69,16 @@ class BackwardResult:
     #: for a parameter with several uses), for :meth:`fastdp.plan.Plan.describe`
     norms: dict[int, str] = field(default_factory=dict)
     #: samples with total norm ``||g_i|| <= R`` (only with ``ClipConfig.count_unclipped``: adaptive clipping)
-    unclipped: int = 0
+    unclipped: int | torch.Tensor = 0  # a 0-dim int64 tensor on the norms' device when counted (no host sync)
     #: samples of this pass whose per-sample norm exceeded the threshold ``R_k`` of at least one clipping group: a
     #: 0-dim int64 tensor on the norms' device (no host sync), or ``None`` when no norm was computed. Computed from
     #: the raw norms, so it is a NON-PRIVATE diagnostic (:mod:`fastdp.clip_stats`).
     clipped: torch.Tensor | None = None
     #: ``(B,)`` bool on the norms' device, samples whose gradient has NaN/inf, when the check under
-    #: ``on_nonfinite="raise"`` is deferred to the step's release (:data:`DEFER_NONFINITE_CHECK`); else ``None``
+    #: ``on_nonfinite="raise"`` is deferred to the step's release (:func:`fastdp.deferred.defers`); else ``None``
     nonfinite_mask: torch.Tensor | None = None
-
-
-#: Per device type: whether a non-finite per-sample norm under ``on_nonfinite="raise"`` is looked for when the step
-#: is released (``Release.pre_step``: one host synchronisation per logical step) instead of at the end of the
-#: backward pass that formed it (one per backward pass, which on an accelerator makes the host wait for the GPU
-#: inside ``loss.backward()``). Either way nothing is released from a step with such a sample.
-DEFER_NONFINITE_CHECK: dict[str, bool] = {"cpu": False, "default": True}
-
-
-def defers_nonfinite_check(device: torch.device) -> bool:
-    """Whether the ``on_nonfinite="raise"`` check of norms on ``device`` waits for the step's release."""
-    return DEFER_NONFINITE_CHECK.get(device.type, DEFER_NONFINITE_CHECK["default"])
+    #: other checks of this pass whose verdict waits for the step's release (:mod:`fastdp.deferred`)
+    deferred: list[DeferredCheck] = field(default_factory=list)
 
 
 def _weighted_sum(coef: torch.Tensor, psg: torch.Tensor) -> torch.Tensor:
@@ -222,7 +213,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
     if group_sq:
         total_sq = sum(group_sq.values())
         bad = ~torch.isfinite(total_sq)
-        if cfg.on_nonfinite == "raise" and defers_nonfinite_check(total_sq.device):
+        if cfg.on_nonfinite == "raise" and defers(total_sq.device):
             deferred = bad  # no host synchronisation here: Release checks it before anything is released
         elif bool(bad.any()):
             idx = bad.nonzero().flatten().tolist()
@@ -238,13 +229,13 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             return BackwardResult(result.sums, result.batch_size, len(idx), result.norms, result.unclipped,
                                   result.clipped)
     coefs: dict[int, torch.Tensor] = {}
-    unclipped = 0
+    unclipped: int | torch.Tensor = 0
     over: torch.Tensor | None = None  # sample's norm > R_k in some group (the non-private clipped count)
     for k, sq in group_sq.items():
         norms = sq.clamp(min=0).sqrt() * scale
         coefs[k] = cfg.clip_fn(norms, cfg.thresholds[k]) * scale
         if cfg.count_unclipped:  # one group (all-layer): b_i = 1[||g_i|| <= R]
-            unclipped += int((norms <= cfg.thresholds[k]).sum())
+            unclipped = unclipped + (norms <= cfg.thresholds[k]).sum()  # a 0-dim tensor: no host sync
         above = norms > cfg.thresholds[k]
         over = above if over is None else over | above
 

@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fastdp import accounting, adaptive, distributed
 from fastdp.clip_stats import ClipCounter
 from fastdp.clipped_sums import BackwardResult, NonFiniteGradientError
+from fastdp.deferred import DeferredCheck
 from fastdp.noise import noise_dtype, noisy_means, secure_gaussian, secure_noisy_mean
 from fastdp.plan import trainable_change
 from fastdp.sampling_check import SampleRateMonitor
@@ -68,9 +69,10 @@ class Release:
         self.summed: dict[nn.Parameter, torch.Tensor] = {}
         self.step_samples = 0  # samples seen by the backward passes of the current logical step
         self.step_passes = 0  # backward passes of the current logical step
-        #: (pass number in the step, (B,) bool mask) of the passes whose non-finite check was deferred to the step
-        #: (clipped_sums.DEFER_NONFINITE_CHECK)
+        #: (pass number in the step, (B,) bool mask) of the passes whose non-finite check was deferred to the step,
+        #: and the other deferred checks of the step (fastdp.deferred): read once, before the release
         self.deferred_nonfinite: list[tuple[int, torch.Tensor]] = []
+        self.deferred_checks: list[DeferredCheck] = []
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
         self.step_unclipped = 0  # samples with ||g_i|| <= R_t this step (adaptive clipping, fastdp.adaptive)
@@ -113,6 +115,7 @@ class Release:
         self.step_passes += 1
         if result.nonfinite_mask is not None:
             self.deferred_nonfinite.append((self.step_passes, result.nonfinite_mask))
+        self.deferred_checks.extend(result.deferred)
         self.step_unclipped += result.unclipped
         self.clip_counter.add(result.clipped, result.batch_size)
         if result.nonfinite and self.scaler is not None:  # overflow under the loss scale (fastdp.amp)
@@ -136,6 +139,7 @@ class Release:
         self.step_samples = 0
         self.step_passes = 0
         self.deferred_nonfinite = []
+        self.deferred_checks = []
         self.overflow_samples = 0
         self.step_unclipped = 0
         self.clip_counter.discard()
@@ -208,7 +212,7 @@ class Release:
                 p.grad = g
             if eng._adaptive is not None:
                 dev = next(iter(eng.plan.trainable.values())).device
-                noisy_count = (self.step_unclipped - samples / 2
+                noisy_count = (float(self.step_unclipped) - samples / 2
                                + eng._adaptive.draw_count_noise(dev, eng.noise_generator, eng.secure_mode))
         else:
             noisy_count = self._release_reduced(group)
@@ -226,6 +230,7 @@ class Release:
         self.step_samples = 0
         self.step_passes = 0
         self.deferred_nonfinite = []
+        self.deferred_checks = []
         self.step_unclipped = 0
         self.backward_seen = False
         self.overflow_samples = 0
@@ -256,7 +261,7 @@ class Release:
         if self.refusal is not None:
             self.discard()
             raise RuntimeError(self.refusal)
-        self._check_deferred_nonfinite()
+        self._check_deferred()
         # `args` starts with the optimizer itself (torch passes step's full positional arguments).
         # accelerate's AcceleratedOptimizer passes closure=None positionally: only a real closure is refused
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
@@ -278,31 +283,38 @@ class Release:
                 f"released {self.steps}: its history was changed outside the engine. Nothing was "
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
 
-    def _check_deferred_nonfinite(self) -> None:
-        """The ``on_nonfinite="raise"`` check deferred from the backward passes of this step (on an accelerator,
-        :data:`fastdp.clipped_sums.DEFER_NONFINITE_CHECK`): one host synchronisation for the step; a sample with a
-        non-finite gradient refuses the whole step (nothing released, the step's sums discarded)."""
-        if not self.deferred_nonfinite:
+    def _check_deferred(self) -> None:
+        """The checks deferred from the backward passes of this step (on an accelerator, :mod:`fastdp.deferred`):
+        the non-finite masks of ``on_nonfinite="raise"`` and the other verdicts, read with one host
+        synchronisation; a failure refuses the whole step (nothing released, the step's sums discarded)."""
+        masks, checks = self.deferred_nonfinite, self.deferred_checks
+        if not masks and not checks:
             return
-        masks = self.deferred_nonfinite
-        dev = masks[0][1].device
-        counts = torch.stack([m.sum().to(dev) for _, m in masks]).tolist()  # the one synchronisation
-        if not any(counts):
-            self.deferred_nonfinite = []
-            return
-        where = []
-        for (number, mask), c in zip(masks, counts, strict=True):
-            if c:
-                idx = mask.nonzero().flatten().tolist()
-                where.append(f"samples {idx[:10]}{'...' if len(idx) > 10 else ''} of backward pass {number}")
-        self.discard()
-        raise NonFiniteGradientError(
-            f"step {self.step_number}: the per-sample gradients of {'; '.join(where)} of this step (positions in "
-            "each physical batch) contain NaN or infinity. Nothing was released and this step's gradients were "
-            "discarded: run the step's backward passes again. Fix the model or data (e.g. a log of 0, an "
-            "overflow in half precision), or build the engine with on_nonfinite='zero' to give such samples "
-            "clipping factor 0 (still private). (On an accelerator this check runs when the step is released, "
-            "so that the backward pass never waits for the device.)")
+        self.deferred_nonfinite, self.deferred_checks = [], []
+        dev = (masks[0][1] if masks else checks[0].failed).device
+        counts = torch.stack([m.sum().to(dev) for _, m in masks]
+                             + [c.failed.to(dev).reshape(()).long() for c in checks]).tolist()  # the one read
+        bad_masks, bad_checks = counts[:len(masks)], counts[len(masks):]
+        if any(bad_masks):
+            where = []
+            for (number, mask), c in zip(masks, bad_masks, strict=True):
+                if c:
+                    idx = mask.nonzero().flatten().tolist()
+                    where.append(f"samples {idx[:10]}{'...' if len(idx) > 10 else ''} of backward pass {number}")
+            self.discard()
+            raise NonFiniteGradientError(
+                f"step {self.step_number}: the per-sample gradients of {'; '.join(where)} of this step (positions "
+                "in each physical batch) contain NaN or infinity. Nothing was released and this step's gradients "
+                "were discarded: run the step's backward passes again. Fix the model or data (e.g. a log of 0, an "
+                "overflow in half precision), or build the engine with on_nonfinite='zero' to give such samples "
+                "clipping factor 0 (still private). (On an accelerator this check runs when the step is released, "
+                "so that the backward pass never waits for the device.)")
+        for c, bad in zip(checks, bad_checks, strict=True):
+            if bad:
+                e = c.error()
+                self.discard()
+                raise type(e)(f"step {self.step_number} (checked when the step was released; nothing was released "
+                              f"and this step's gradients were discarded): {e}") from None
 
     # ------------------------------------------------------------------ several ranks
     def _agree_step(self, group: distributed.Group, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
@@ -377,7 +389,7 @@ class Release:
         count = None if ad is None else torch.zeros(1, dtype=torch.float64, device=dev)
         if count is not None:
             noise = ad.draw_count_noise(dev, eng.noise_generator, eng.secure_mode) if group.rank == 0 else 0.0
-            count_value = self.step_unclipped - self.step_samples / 2 + noise
+            count_value = float(self.step_unclipped) - self.step_samples / 2 + noise
 
         def fill(flat: torch.Tensor, members: list[tuple[nn.Parameter, int]]) -> None:
             if not draw:

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
+from fastdp import deferred
 from fastdp.layers import registry
 from fastdp.layers.base import LayerKind, replay_autocast, to_accumulation
 from fastdp.layers.checkpointing import plain_checkpoints
@@ -256,16 +256,8 @@ class GenericKind(LayerKind):
         for j, (got, want) in enumerate(zip(outs, call.outputs, strict=True)):
             d = out_dims[j]
             got = got.reshape(want.shape) if d == 0 else got.squeeze(d + 1).movedim(0, d)
-            if not _close(got, want):
-                raise RuntimeError(
-                    f"module {label} ({type(module).__name__}): replaying its forward one sample at a time does not "
-                    f"reproduce output {j} of the real forward pass (max difference "
-                    f"{(got.double() - want.double()).abs().max().item():.3g}). Its per-sample gradients would be "
-                    "wrong, so fastdp stops. Causes: randomness in forward that the replay cannot reproduce (dropout "
-                    "on a transposed or batch-mixed layout: set it to 0 or call .eval()), a forward that "
-                    "mixes the samples of a batch (batch statistics), state changed between forward and backward "
-                    "(a cache: pass use_cache=False), or an input without a batch dimension whose leading size "
-                    "equals the batch size.")
+            # on an accelerator the verdict is read when the step is released (fastdp.deferred): no host read here
+            deferred.check(_mismatch(got, want), _replay_error(label, module, j, _max_difference(got, want)))
         return {n: to_accumulation(g) for n, g in grads.items()}
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
@@ -315,13 +307,44 @@ def _unsqueeze_batched(tree: Any, dims: Any) -> Any:
     return spec.unflatten(out)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor on the device, without a host read: whether the replayed output ``got`` differs from the
+    real one ``want`` by more than ``atol + rtol |want|`` somewhere (``rtol`` by dtype, ``atol = rtol max|want|``).
+    Where ``want`` has NaN/inf, the two must have them at the same places and agree elsewhere (``atol = rtol``)."""
     rtol = _REPLAY_RTOL.get(want.dtype, 1e-3)
-    scale = want.abs().max().item() if want.numel() else 0.0
-    if not math.isfinite(scale):
-        return bool(torch.equal(got.isfinite(), want.isfinite())) and torch.allclose(
-            got[want.isfinite()], want[want.isfinite()], rtol=rtol, atol=rtol)
-    return torch.allclose(got, want, rtol=rtol, atol=rtol * max(scale, 1e-30))
+    if want.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=want.device)
+    acc = torch.promote_types(want.dtype, torch.float32)
+    g, w = got.to(acc), want.to(acc)
+    finite = w.isfinite()
+    scale = w.abs().max()
+    all_finite = scale.isfinite()
+    atol = torch.where(all_finite, rtol * scale.clamp(min=1e-30), torch.full((), rtol, dtype=acc, device=w.device))
+    close = (g - w).abs() <= atol + rtol * w.abs()  # False where either is NaN
+    ok_finite = close.all()
+    ok_nonfinite = (g.isfinite() == finite).all() & torch.where(finite, close, True).all()
+    return ~torch.where(all_finite, ok_finite, ok_nonfinite)
+
+
+def _max_difference(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor | None:
+    """``max |got - want|`` as a 0-dim tensor (read only if the check fails), ``None`` for empty outputs."""
+    if want.numel() == 0:
+        return None
+    acc = torch.promote_types(want.dtype, torch.float32)
+    return (got.to(acc) - want.to(acc)).abs().max()
+
+
+def _replay_error(label: str, module: nn.Module, j: int, diff: torch.Tensor | None) -> Callable[[], RuntimeError]:
+    def error() -> RuntimeError:
+        shown = "n/a" if diff is None else f"{float(diff):.3g}"
+        return RuntimeError(
+            f"module {label} ({type(module).__name__}): replaying its forward one sample at a time does not "
+            f"reproduce output {j} of the real forward pass (max difference {shown}). Its per-sample gradients "
+            "would be wrong, so fastdp stops. Causes: randomness in forward that the replay cannot reproduce "
+            "(dropout on a transposed or batch-mixed layout: set it to 0 or call .eval()), a forward that mixes "
+            "the samples of a batch (batch statistics), state changed between forward and backward (a cache: pass "
+            "use_cache=False), or an input without a batch dimension whose leading size equals the batch size.")
+    return error
 
 
 GENERIC = GenericKind()

@@ -314,11 +314,11 @@ def test_a_nonfinite_sample_on_the_device_refuses_the_step(monkeypatch):
     """On CUDA the on_nonfinite="raise" check is deferred to the step's release (no host synchronisation in the
     backward pass): the backward pass completes, ``optimizer.step()`` raises naming the pass and the sample, nothing
     is released or accounted, and the next step goes through."""
-    import fastdp.clipped_sums as cs
+    import fastdp.deferred as deferred
     from fastdp import NonFiniteGradientError
 
     if DEVICE == "cpu":  # the CPU checks in the backward pass; check the tests' logic with the deferred check
-        monkeypatch.setattr(cs, "DEFER_NONFINITE_CHECK", {"cpu": True, "default": True})
+        monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": True, "default": True})
     model, loss, data = family("mlp", torch.float32)
     m = model.to(DEVICE)
     engine = make_engine(m, batch_size=4, R=1.0, sigma=1.0, verify_structure=False)

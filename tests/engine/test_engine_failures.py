@@ -235,9 +235,9 @@ def test_nonfinite_gradient_then_retry(mode):
 @pytest.fixture
 def deferred_nonfinite_check(monkeypatch):
     """The accelerator behaviour on the CPU: the on_nonfinite="raise" check waits for the step's release."""
-    import fastdp.clipped_sums as cs
+    import fastdp.deferred as deferred
 
-    monkeypatch.setattr(cs, "DEFER_NONFINITE_CHECK", {"cpu": True, "default": True})
+    monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": True, "default": True})
 
 
 @pytest.mark.parametrize("bad_pass", [1, 2])
