@@ -176,6 +176,7 @@ def _world(rank: int, world: int, init: str, job: dict, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
+    dist.barrier()  # every rank done with its collectives: gloo can abort a rank torn down while a peer still talks
     dist.destroy_process_group()
 
 

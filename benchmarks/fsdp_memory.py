@@ -119,6 +119,7 @@ def _worker(rank: int, world: int, port: int, method: str, cfg: dict, out: str) 
         with open(out, "w") as f:
             json.dump(res, f)
     dist.barrier()
+    dist.barrier()  # every rank done with its collectives: gloo can abort a rank torn down while a peer still talks
     dist.destroy_process_group()
 
 

@@ -107,6 +107,7 @@ def main() -> None:
         print(f"{'DP FSDP2 fine-tuning':<22}{spent['epsilon']:>9.3f}{engine.noise_multiplier:>8.3f}"
               f"{engine.steps:>7}{acc:>10.4f}{train_s:>10.1f}{mb:>26.3f}")
         print(f"delta = {spent['delta']:.2g}; accountant {spent['accountant']}")
+    dist.barrier()  # every rank done with its collectives: gloo can abort a rank torn down while a peer still talks
     dist.destroy_process_group()
     assert math.isfinite(spent["epsilon"])
 
