@@ -13,6 +13,8 @@ from dist_cases import engine_and_opt, grads_or_none, outcome, params_of, run_sh
 from dist_specs import Spec, build, shard_batches
 from oracle import make_engine, released_grads
 
+import fastdp.deferred as deferred
+
 
 def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int = 1,
                      sigma: float = 0.0) -> dict[str, Any]:
@@ -21,8 +23,10 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
     Scenarios: ``"skip_backward"`` (the culprit runs no backward and calls optimizer.step()), ``"frozen"`` (after
     its backward pass it freezes ``fc.weight`` without telling the engine), ``"update_trainable"`` (it freezes
     ``fc.weight`` and calls engine.update_trainable(), the others do not), ``"sigma"`` (it calls
-    engine.set_noise_multiplier(0.5) alone). The first step's data come from another seed, so a leak of its
-    sums into the second step shows against the oracle of ``spec``. Returns the outcome of the first step on this
+    engine.set_noise_multiplier(0.5) alone), ``"nonfinite_deferred"`` (a NaN in its first sample, with the
+    accelerator's deferred non-finite check switched on everywhere: the culprit raises only at the step). The
+    first step's data come from another seed, so a leak of its sums into the second step shows against the oracle
+    of ``spec``. Returns the outcome of the first step on this
     rank, the gradients and steps right after it, and the second step's released gradients (or its outcome)."""
     model = build(spec.model, spec.seed)
     engine, opt, names = engine_and_opt(model, spec, R, sigma=sigma,
@@ -36,11 +40,30 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
         res["update"] = outcome(engine.update_trainable)
     if culprit_here and scenario == "sigma":
         engine.set_noise_multiplier(0.5)
-    if not (culprit_here and scenario == "skip_backward"):
-        run_shard(model, bad, shard_batches(bad)[ctx.rank])
-    if culprit_here and scenario == "frozen":  # after its backward pass, before the step
-        model.fc.weight.requires_grad_(False)
-    res["first"] = outcome(opt.step)
+    mine = shard_batches(bad)[ctx.rank]
+    nan_hook = None
+    if culprit_here and scenario == "nonfinite_deferred":
+        # NaN in the output of every sample whose first token is that of this rank's first sample (a function of
+        # the sample's own data, as the structure probe requires): those samples' gradients are NaN
+        token = mine[0][0][0][0, 0]
+
+        def poison(module, args, out):
+            hit = (args[0][:, 0] == token).view(-1, *([1] * (out.dim() - 1)))
+            return out + torch.where(hit, float("nan"), 0.0).to(out.dtype)  # the NaN flows back into out
+        nan_hook = model.register_forward_hook(poison)
+    saved_defer = deferred.DEFER_ON
+    if scenario == "nonfinite_deferred":  # the accelerator behaviour on every rank: the check waits for the step
+        deferred.DEFER_ON = {"cpu": True, "default": True}
+    try:
+        if not (culprit_here and scenario == "skip_backward"):
+            run_shard(model, bad, mine)
+        if culprit_here and scenario == "frozen":  # after its backward pass, before the step
+            model.fc.weight.requires_grad_(False)
+        res["first"] = outcome(opt.step)
+    finally:
+        deferred.DEFER_ON = saved_defer
+        if nan_hook is not None:
+            nan_hook.remove()
     res["after_first"] = {"grads": grads_or_none(model), "steps": engine.steps,
                           "unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters()),
                           "ledger": engine.accountant.ledger.steps}

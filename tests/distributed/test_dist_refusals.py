@@ -48,7 +48,8 @@ SCENARIOS = {"skip_backward": ("skip_backward", 1, ("backward",)),
              "skip_backward-rank0": ("skip_backward", 0, ("backward",)),  # the rank that draws the noise
              "frozen": ("frozen", 1, ("fc.weight",)),
              "update_trainable": ("update_trainable", 1, ("trainable", "fc.weight")),
-             "sigma": ("sigma", 1, ("noise multiplier",))}
+             "sigma": ("sigma", 1, ("noise multiplier",)),
+             "nonfinite_deferred": ("nonfinite_deferred", 1, ("NaN", "backward pass 1"))}
 FLAGS = Spec("mixed", ((3,), (2,)), seed=81)
 FLAGS_R = 0.05
 NEVER = Spec("mixed", ((2,), (2,)), seed=82)
