@@ -40,8 +40,8 @@ stage gpt2-T512 150 "${R[@]}" --models gpt2 --sizes 512 --batch 16 --methods "${
 stage roberta-T256 120 "${R[@]}" --update --models roberta --sizes 256 --batch 32 --methods "${D[@]}" "${B[@]}"
 if [[ $PLAN != short ]]; then
   stage vit-img224 120 "${R[@]}" --update --models vit --sizes 224 --batch 32 --methods "${D[@]}" "${B[@]}"
-  stage gpt2-T512-max-batch 300 python3 benchmarks/run.py --preset paper --results-dir "$OUTDIR/max_batch" \
-    --models gpt2 --sizes 512 --batch 16 --max-batch --max-batch-cap 1024 --reps 3 --methods "${D[@]}"
+  stage gpt2-T512-max-batch 240 python3 benchmarks/run.py --preset paper --results-dir "$OUTDIR/max_batch" \
+    --in-process --max-batch --max-batch-cap 1024 --reps 3 --models gpt2 --sizes 512 --batch 16 --methods "${D[@]}"
 fi
 cat "$OUTDIR/stages.txt"
 ls -R "$OUTDIR"

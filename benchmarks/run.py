@@ -30,7 +30,8 @@ Method (workloads and methods: ``benchmarks/zoo.py``; presets: ``benchmarks/pres
   steps over what was allocated before them (model and data): the peak resident set size (Linux ``VmHWM``, reset
   first) on CPU, ``torch.cuda.max_memory_allocated`` on CUDA.
 * **Largest batch** (CUDA only, or ``--max-batch``): per method, doubling then bisection over the batch size, each
-  probe two steps in a fresh process; the largest that did not run out of memory.
+  probe two steps (without the structure probe), all in one fresh process per method (or, with
+  ``--max-batch-probes process``, each in its own); the largest that did not run out of memory.
 * ``runs`` presets time whole runs of ``--steps`` steps, each with a fresh model and engine; ``noise`` times the
   two noise generators (alternating calls in one process).
 * A method that cannot run a workload (Opacus on some models) is reported as "not supported" with the reason.
@@ -87,6 +88,8 @@ def _run_worker(kind: str, w: zoo.Workload | None, methods: list[str], device: t
         return workers.worker_memory(w, methods[0], device, args.mem_steps)
     if kind == "fits":
         return workers.worker_fits(w, methods[0], device)
+    if kind == "max_batch":
+        return workers.worker_max_batch(w, methods[0], device, args.elements)
     if kind == "noise":
         return workers.worker_noise(args.elements, device, args.reps, args.warmup)
     raise ValueError(f"unknown worker kind {kind!r}")
@@ -113,31 +116,22 @@ def _call_worker(args: argparse.Namespace, kind: str, w: zoo.Workload | None, me
 
 
 def max_batch(args: argparse.Namespace, w: zoo.Workload, method: str, cap: int) -> int | None:
-    """Largest batch size (doubling from the workload's, then bisection) at which ``method`` fits."""
+    """Largest batch size (doubling from the workload's, then bisection; ``workers.largest_batch``) at which
+    ``method`` fits: every probe in a fresh process (``--max-batch-probes process``, the faithful one: nothing left
+    over from an earlier probe), or all of them in one fresh process per method (``one-process``, the default:
+    a process costs imports, CUDA start-up and a model build; after an out-of-memory probe the allocator's cache is
+    emptied, and what fragmentation remains can only make the result smaller)."""
+    if getattr(args, "max_batch_probes", "process") == "one-process":
+        r = _call_worker(args, "max_batch", w, [method], elements=cap)
+        if "error" in r:
+            logger.error("%s %s: the largest-batch search failed: %s", w.tag, method, r["error"])
+        return r.get("max_batch")
+
     def fits(b: int) -> bool:
         r = _call_worker(args, "fits", zoo.Workload(w.model, w.size, b, w.widths), [method])
         return bool(r.get("fits"))
 
-    lo, hi = 0, None
-    b = w.batch
-    while b <= cap:
-        if fits(b):
-            lo, b = b, 2 * b
-        else:
-            hi = b
-            break
-    if lo == 0:  # not even the workload's batch: bisect below it
-        lo_b, hi_b = 0, w.batch
-        while hi_b - lo_b > 1:
-            mid = (lo_b + hi_b) // 2
-            lo_b, hi_b = (mid, hi_b) if fits(mid) else (lo_b, mid)
-        return lo_b or None
-    if hi is None:
-        return lo  # reached the cap
-    while hi - lo > max(1, lo // 16):  # to within about 6 %
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return workers.largest_batch(fits, w.batch, cap)
 
 
 def summarize(rows: dict[str, dict], base: str) -> None:
@@ -241,6 +235,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-max-batch", dest="max_batch", action="store_false",
                    help="skip the largest-batch search (on by default on CUDA)")
     p.add_argument("--max-batch-cap", type=int, default=4096)
+    p.add_argument("--max-batch-probes", choices=["one-process", "process"], default="one-process",
+                   help="the largest-batch search: all probes of a method in one fresh process (default), or a "
+                        "fresh process per probe")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: tiny widths, size 16, batch 2, 1 round")
     p.add_argument("--write-docs", action="store_true", help="regenerate every table in the docs afterwards")
     p.add_argument("--from-json", type=Path, default=None, help="print (and with --write-docs use) a saved result")
@@ -251,7 +248,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile the first workload's methods instead")
     p.add_argument("--top", type=int, default=20, help="--profile: operators and functions shown")
     p.add_argument("--by-function", action="store_true", help="--profile: also fastdp's functions (cProfile)")
-    p.add_argument("--worker", choices=["time", "runs", "memory", "fits", "noise"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["time", "runs", "memory", "fits", "max_batch", "noise"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--elements", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)

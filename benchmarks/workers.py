@@ -7,7 +7,8 @@ per workload for timings and per method for memory).
   alternating; one-off costs of the first steps (the structure probe) are inside the timing.
 * ``worker_memory``: peak memory growth over a few steps of one method after one unmeasured step (peak RSS on
   CPU, allocator peak on CUDA).
-* ``worker_fits``: whether two steps at a batch size run without running out of memory.
+* ``worker_fits``: whether two steps at a batch size run without running out of memory;
+  ``worker_max_batch``: the whole largest-batch search in this one process.
 * ``worker_noise``: ``gaussian_noise`` against ``secure_gaussian``, alternating calls.
 
 Each returns a JSON-able dict: per method ``{"times_s": [...]}``, ``{"unsupported": reason}`` or
@@ -176,6 +177,61 @@ def worker_fits(w: zoo.Workload, method: str, device: torch.device) -> dict:
     except zoo.Unsupported as e:
         return {"unsupported": str(e)}
     return {"fits": True}
+
+
+def largest_batch(fits: Callable[[int], bool], start: int, cap: int) -> int | None:
+    """The largest batch size ``<= cap`` for which ``fits`` holds, assuming it holds up to some size and not
+    beyond: doubling from ``start``, then bisection to within about 6 % (``None`` if not even 1 fits)."""
+    lo, hi = 0, None
+    b = start
+    while b <= cap:
+        if fits(b):
+            lo, b = b, 2 * b
+        else:
+            hi = b
+            break
+    if lo == 0:  # not even the start: bisect below it
+        lo_b, hi_b = 0, start
+        while hi_b - lo_b > 1:
+            mid = (lo_b + hi_b) // 2
+            lo_b, hi_b = (mid, hi_b) if fits(mid) else (lo_b, mid)
+        return lo_b or None
+    if hi is None:
+        return lo  # reached the cap
+    while hi - lo > max(1, lo // 16):  # to within about 6 %
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def worker_max_batch(w: zoo.Workload, method: str, device: torch.device, cap: int) -> dict:
+    """``largest_batch`` for ``method`` with every probe in this process: each probe builds the model and engine
+    (structure probe off: a one-off of the first step, not the steady state), runs two steps, and is then dropped
+    with its data, the engine detached, and the allocator's cache emptied."""
+    def fits(b: int) -> bool:
+        wb = zoo.Workload(w.model, w.size, b, w.widths)
+        step = None
+        try:
+            data = zoo.make_batch(wb, device)
+            step = zoo.make_step(wb, method, device, verify_structure=False)
+            for _ in range(2):
+                step(data)
+            sync(device)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            if step is not None and getattr(step, "engine", None) is not None:
+                step.engine.detach()
+            step = data = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    try:
+        return {"max_batch": largest_batch(fits, w.batch, cap)}
+    except zoo.Unsupported as e:
+        return {"unsupported": str(e)}
 
 
 def worker_noise(elements: int, device: torch.device, reps: int, warmup: int) -> dict:

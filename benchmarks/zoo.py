@@ -287,9 +287,10 @@ def loss_fn(w: Workload) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return F.cross_entropy
 
 
-def make_step(w: Workload, method: str, device: torch.device, seed: int = 0,
-              lr: float = 1e-4) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
+def make_step(w: Workload, method: str, device: torch.device, seed: int = 0, lr: float = 1e-4,
+              verify_structure: bool = True) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
     """Build the model and optimizer of one method and return ``step(batch)``: one full training step.
+    ``verify_structure=False`` builds fastdp's engine without the structure probe (the largest-batch search).
 
     Raises:
         Unsupported: the method cannot run this workload (the message says why).
@@ -327,6 +328,8 @@ def make_step(w: Workload, method: str, device: torch.device, seed: int = 0,
 
         mode = method.split()[1].rstrip(",") if method.startswith("fastdp") else FASTDP_MODES[0]
         kwargs, attrs = VARIANTS.get(method, ({}, {}))
+        if not verify_structure:
+            kwargs = {**kwargs, "verify_structure": False}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine = PrivacyEngine(model, batch_size=w.batch, sample_size=100 * w.batch, noise_multiplier=1.0,

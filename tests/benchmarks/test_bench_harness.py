@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -33,7 +34,7 @@ def test_max_batch_search_finds_the_limit(monkeypatch, limit, start):
 
     monkeypatch.setattr(run, "_call_worker", fake_worker)
     w = zoo.Workload("gpt2", 64, start)
-    found = run.max_batch(argparse.Namespace(), w, "non-private", cap=4096)
+    found = run.max_batch(argparse.Namespace(max_batch_probes="process"), w, "non-private", cap=4096)
     if limit >= 4096:
         assert found == 4096
     elif limit < 1:
@@ -47,7 +48,46 @@ def test_max_batch_search_finds_the_limit(monkeypatch, limit, start):
 
 def test_max_batch_search_none_when_nothing_fits(monkeypatch):
     monkeypatch.setattr(run, "_call_worker", lambda *a: {"fits": False})
-    assert run.max_batch(argparse.Namespace(), zoo.Workload("gpt2", 64, 8), "x", cap=64) is None
+    assert run.max_batch(argparse.Namespace(max_batch_probes="process"), zoo.Workload("gpt2", 64, 8), "x",
+                         cap=64) is None
+
+
+@pytest.mark.parametrize("limit", [3, 20, 37])
+def test_max_batch_in_one_process_drops_each_probe(monkeypatch, limit):
+    """The one-process search (worker_max_batch): a probe above ``limit`` runs out of memory (simulated) in its
+    first step; the search still finds the limit to ~6 %, every probe's engine is detached (none left attached),
+    and the structure probe is off for the probes."""
+    from fastdp import engine_registry
+
+    built = []
+    real = zoo.make_step
+
+    def make_step(w, method, device, **kw):
+        step = real(w, method, device, **kw)
+        built.append((w.batch, kw, step.engine))
+
+        def oom_step(data):
+            if w.batch > limit:
+                raise torch.OutOfMemoryError("simulated")
+            step(data)
+        oom_step.engine = step.engine
+        return oom_step
+
+    monkeypatch.setattr(zoo, "make_step", make_step)
+    w = zoo.Workload("tinylm", 8, 2, "tiny")
+    found = workers.worker_max_batch(w, zoo.DEFAULT_METHOD, torch.device("cpu"), cap=64)["max_batch"]
+    assert limit - max(1, limit // 16) <= found <= limit
+    assert all(kw == {"verify_structure": False} for _, kw, _ in built)
+    assert not any(e in engine_registry._ATTACHED_ENGINES for _, _, e in built)
+
+
+def test_max_batch_in_one_process_through_run(monkeypatch):
+    calls = []
+    monkeypatch.setattr(run, "_call_worker", lambda args, kind, w, methods, elements=0: (
+        calls.append((kind, elements)), {"max_batch": 48})[1])
+    args = argparse.Namespace(max_batch_probes="one-process")
+    assert run.max_batch(args, zoo.Workload("gpt2", 64, 8), "x", cap=1024) == 48
+    assert calls == [("max_batch", 1024)]
 
 
 def _result(default_t, default_m, opacus_t, bitfit_t, model="gpt2", size=64, bitfit_m=None):
