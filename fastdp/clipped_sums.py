@@ -57,6 +57,18 @@ class NonFiniteGradientError(RuntimeError):
     """Some sample's per-sample gradient contains NaN or infinity."""
 
 
+def nonfinite_step_error(step: int, where: list[str]) -> NonFiniteGradientError:
+    """The error of a step refused by the deferred non-finite check (:mod:`fastdp.deferred`); ``where`` names the
+    samples and backward passes."""
+    return NonFiniteGradientError(
+        f"step {step}: the per-sample gradients of {'; '.join(where)} of this step (positions in each physical "
+        "batch) contain NaN or infinity. Nothing was released and this step's gradients were discarded: run the "
+        "step's backward passes again. Fix the model or data (e.g. a log of 0, an overflow in half precision), or "
+        "build the engine with on_nonfinite='zero' to give such samples clipping factor 0 (still private). (On an "
+        "accelerator this check runs when the step is released, so that the backward pass never waits for the "
+        "device.)")
+
+
 @dataclass
 class BackwardResult:
     """What one backward pass contributes: ``sum_i C_i g_i`` per parameter, the number of samples, and how many of

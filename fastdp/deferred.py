@@ -11,7 +11,7 @@ check raises in the backward pass that made it.
 
 Data flow: ``collecting()`` around the end-of-backward clipping gathers the checks that :func:`check` defers;
 they travel in ``BackwardResult.deferred`` to the release, which reads every verdict of the step at
-once (``Release._check_deferred``, together with the deferred non-finite masks).
+once with :func:`step_failure` (together with the deferred non-finite masks).
 """
 
 from __future__ import annotations
@@ -67,4 +67,32 @@ def check(failed: torch.Tensor, error: Callable[[], BaseException]) -> None:
         raise error()
 
 
-__all__ = ["DEFER_ON", "DeferredCheck", "check", "collecting", "defers"]
+def step_failure(nonfinite: list[tuple[int, torch.Tensor]], checks: list[DeferredCheck], step: int,
+                 nonfinite_error: Callable[[int, list[str]], BaseException]) -> BaseException | None:
+    """All of a step's deferred verdicts, read with one host read: the error that refuses the step, or ``None``.
+
+    ``nonfinite``: ``(backward pass number in the step, (B,) bool mask)`` of the samples with a non-finite gradient
+    (``on_nonfinite="raise"``); any such sample gives ``nonfinite_error(step, ["samples [..] of backward pass k",
+    ...])``. Otherwise the first failed check's error, its message prefixed with the step."""
+    if not nonfinite and not checks:
+        return None
+    dev = (nonfinite[0][1] if nonfinite else checks[0].failed).device
+    counts = torch.stack([m.sum().to(dev) for _, m in nonfinite]
+                         + [c.failed.to(dev).reshape(()).long() for c in checks]).tolist()  # the one read
+    bad_masks, bad_checks = counts[:len(nonfinite)], counts[len(nonfinite):]
+    if any(bad_masks):
+        where = []
+        for (number, mask), c in zip(nonfinite, bad_masks, strict=True):
+            if c:
+                idx = mask.nonzero().flatten().tolist()
+                where.append(f"samples {idx[:10]}{'...' if len(idx) > 10 else ''} of backward pass {number}")
+        return nonfinite_error(step, where)
+    for c, bad in zip(checks, bad_checks, strict=True):
+        if bad:
+            e = c.error()
+            return type(e)(f"step {step} (checked when the step was released; nothing was released and this "
+                           f"step's gradients were discarded): {e}")
+    return None
+
+
+__all__ = ["DEFER_ON", "DeferredCheck", "check", "collecting", "defers", "step_failure"]

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fastdp import accounting, adaptive, distributed
+from fastdp import accounting, adaptive, deferred, distributed
 from fastdp.clip_stats import ClipCounter
-from fastdp.clipped_sums import BackwardResult, NonFiniteGradientError
+from fastdp.clipped_sums import BackwardResult, nonfinite_step_error
 from fastdp.deferred import DeferredCheck
 from fastdp.noise import noise_dtype, noisy_means, secure_gaussian, secure_noisy_mean
 from fastdp.plan import trainable_change
@@ -284,37 +284,14 @@ class Release:
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
 
     def _check_deferred(self) -> None:
-        """The checks deferred from the backward passes of this step (on an accelerator, :mod:`fastdp.deferred`):
-        the non-finite masks of ``on_nonfinite="raise"`` and the other verdicts, read with one host
-        synchronisation; a failure refuses the whole step (nothing released, the step's sums discarded)."""
+        """The checks deferred from the backward passes of this step (on an accelerator, :mod:`fastdp.deferred`),
+        read with one host synchronisation; a failure refuses the whole step (nothing released, sums discarded)."""
         masks, checks = self.deferred_nonfinite, self.deferred_checks
-        if not masks and not checks:
-            return
         self.deferred_nonfinite, self.deferred_checks = [], []
-        dev = (masks[0][1] if masks else checks[0].failed).device
-        counts = torch.stack([m.sum().to(dev) for _, m in masks]
-                             + [c.failed.to(dev).reshape(()).long() for c in checks]).tolist()  # the one read
-        bad_masks, bad_checks = counts[:len(masks)], counts[len(masks):]
-        if any(bad_masks):
-            where = []
-            for (number, mask), c in zip(masks, bad_masks, strict=True):
-                if c:
-                    idx = mask.nonzero().flatten().tolist()
-                    where.append(f"samples {idx[:10]}{'...' if len(idx) > 10 else ''} of backward pass {number}")
+        error = deferred.step_failure(masks, checks, self.step_number, nonfinite_step_error)
+        if error is not None:
             self.discard()
-            raise NonFiniteGradientError(
-                f"step {self.step_number}: the per-sample gradients of {'; '.join(where)} of this step (positions "
-                "in each physical batch) contain NaN or infinity. Nothing was released and this step's gradients "
-                "were discarded: run the step's backward passes again. Fix the model or data (e.g. a log of 0, an "
-                "overflow in half precision), or build the engine with on_nonfinite='zero' to give such samples "
-                "clipping factor 0 (still private). (On an accelerator this check runs when the step is released, "
-                "so that the backward pass never waits for the device.)")
-        for c, bad in zip(checks, bad_checks, strict=True):
-            if bad:
-                e = c.error()
-                self.discard()
-                raise type(e)(f"step {self.step_number} (checked when the step was released; nothing was released "
-                              f"and this step's gradients were discarded): {e}") from None
+            raise error
 
     # ------------------------------------------------------------------ several ranks
     def _agree_step(self, group: distributed.Group, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
