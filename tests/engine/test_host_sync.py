@@ -89,6 +89,10 @@ def build(name: str):
                               nn.Linear(4 * 36, 3))
         data = [((torch.randn(n, 3, 6, 6, generator=g),), torch.randn(n, 3, generator=g)) for n in (3, 2)]
         return model, mse_per_sample, data
+    if name == "conv-grouped":  # 16 x 16 = 256 output positions: the grouped-convolution per-sample kernel
+        model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 256, 2))
+        data = [((torch.randn(n, 2, 16, 16, generator=g),), torch.randn(n, 2, generator=g)) for n in (3, 2)]
+        return model, mse_per_sample, data
     if name == "tokens":
         model = nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 2))
         data = [((torch.randint(0, 11, (n, 5), generator=g),), torch.randn(n, 5, 2, generator=g)) for n in (3, 2)]
@@ -98,7 +102,8 @@ def build(name: str):
 
 CASES = [(name, mode, {}) for name in ("mlp", "conv", "tokens", "gpt2")
          for mode in ("BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate")]
-CASES += [("gpt2", "bitfit", {}), ("mlp", "BK-MixOpt", {"style": "layer-wise"}),
+CASES += [("conv-grouped", "instantiate", {}), ("conv-grouped", "BK-MixOpt", {}), ("gpt2", "bitfit", {}),
+          ("mlp", "BK-MixOpt", {"style": "layer-wise"}),
           ("mlp", "BK-MixOpt", {"fn": "automatic"})]
 
 
