@@ -221,12 +221,12 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
     for param, sq in sq_of.items():
         k = cfg.group_of[param]
         group_sq[k] = group_sq[k] + sq if k in group_sq else sq
-    deferred: torch.Tensor | None = None  # the non-finite samples, checked when the step is released
+    nonfinite_mask: torch.Tensor | None = None  # the non-finite samples, checked when the step is released
     if group_sq:
         total_sq = sum(group_sq.values())
         bad = ~torch.isfinite(total_sq)
         if cfg.on_nonfinite == "raise" and defers(total_sq.device):
-            deferred = bad  # no host synchronisation here: Release checks it before anything is released
+            nonfinite_mask = bad  # no host synchronisation here: Release checks it before anything is released
         elif bool(bad.any()):
             idx = bad.nonzero().flatten().tolist()
             if cfg.on_nonfinite not in ("zero", "scaler"):
@@ -283,4 +283,4 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
                 del out[param]
     clipped = None if over is None else over.sum()
     return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how, unclipped,
-                          clipped, deferred)
+                          clipped, nonfinite_mask=nonfinite_mask)

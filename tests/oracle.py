@@ -435,6 +435,17 @@ def explicit_groups(names, draw):
 # =========================================================================== layer cases
 
 
+class RawScale(nn.Module):
+    """``h * s`` with a raw parameter ``s``: no layer kind owns it, so the generic path (vmap replay) clips it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, h):
+        return h * self.s
+
+
 class Wrap(nn.Module):
     """layer -> (tanh -> Linear readout over the last dim)?"""
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from model_oracle import LMWrap, gpt2, lm_batches, lm_loss, quiet_transformers, rel_err
 from oracle import (
+    RawScale,
     choose_R,
     clipped_sum,
     make_engine,
@@ -78,17 +79,6 @@ class TokenNet(nn.Module):
         return self.head(torch.tanh(self.lin(self.ln(self.emb(ids)))).mean(1))
 
 
-class Scale(nn.Module):
-    """A raw parameter: the generic path (per-sample gradients by a vmap replay, whose output check is deferred)."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.s = nn.Parameter(torch.linspace(0.5, 1.5, d))
-
-    def forward(self, h):
-        return h * self.s
-
-
 def family(name: str, dtype=torch.float64):
     """(model, per-sample loss, batches) on the CPU; two physical batches, one of a single sample."""
     torch.manual_seed(0)
@@ -98,7 +88,7 @@ def family(name: str, dtype=torch.float64):
         data = [((torch.randn(n, 5, generator=g),), torch.randn(n, 3, generator=g)) for n in (3, 1)]
         return model.to(dtype), mse, [((x.to(dtype),), y.to(dtype)) for (x,), y in data]
     if name == "generic":
-        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), Scale(7), nn.Linear(7, 3))
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), RawScale(7), nn.Linear(7, 3))
         data = [((torch.randn(n, 5, generator=g),), torch.randn(n, 3, generator=g)) for n in (3, 1)]
         return model.to(dtype), mse, [((x.to(dtype),), y.to(dtype)) for (x,), y in data]
     if name == "conv":

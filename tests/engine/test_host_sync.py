@@ -16,7 +16,7 @@ import traceback
 import pytest
 import torch
 from model_oracle import LMWrap, gpt2, lm_batches, lm_loss, quiet_transformers
-from oracle import make_engine, mse_per_sample
+from oracle import RawScale, make_engine, mse_per_sample
 from torch import nn
 
 import fastdp.deferred as deferred
@@ -66,22 +66,11 @@ def test_the_spy_sees_a_host_read_in_the_backward_pass(monkeypatch):
     assert any(n == "__bool__" and f.startswith("clipped_sums.py") for n, f in hits), hits
 
 
-class Scale(nn.Module):
-    """A raw parameter: the generic per-sample path."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.s = nn.Parameter(torch.linspace(0.5, 1.5, d))
-
-    def forward(self, h):
-        return h * self.s
-
-
 def build(name: str):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if name == "mlp":
-        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), Scale(7), nn.Linear(7, 3))
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), RawScale(7), nn.Linear(7, 3))
         data = [((torch.randn(n, 5, generator=g),), torch.randn(n, 3, generator=g)) for n in (3, 2)]
         return model, mse_per_sample, data
     if name == "conv":
