@@ -13,6 +13,8 @@ Usage::
     python benchmarks/levers.py --json results/levers.json        # also save the raw times
 
 ``python benchmarks/levers.py --noise`` times the noise of a step drawn per parameter against one flat buffer.
+``python benchmarks/levers.py --memory`` reports, instead of times, each configuration's peak live-tensor growth
+over one step (``workers._live_peak_bytes``: the allocations and frees torch's profiler records).
 
 Levers:
 
@@ -24,6 +26,12 @@ Levers:
   layer.
 * ``parallel-noise``: on CPU, a step's noise drawn on ``fastdp.noise.NOISE_THREADS`` threads from child generators
   (``fastdp.noise.noisy_means``); before: one thread, one parameter after another.
+* ``reused-scratch``: a book-keeping clipped sum scales its smaller operand (``coef_i A_i``) into one buffer
+  reused from layer to layer for a pass (``fastdp.layers._matmul.reused_scratch``); before: a fresh tensor per
+  layer (on CPU paid in page faults).
+* ``drop-as-summed``: a record's kept input and output gradients (or per-sample gradients) are freed as soon as the
+  clipped sums of its parameters are formed (``fastdp.clipped_sums._drop_kept``); before: all kept to the end of
+  the pass, so the sums piled up on top of them. A memory lever: ``--memory`` reports it.
 * ``conv-kernels``: a convolution's patches unfolded a few MiB of samples at a time for each operation (ghost norm,
   clipped sum, per-sample gradients), and its per-sample gradients at ``T >= 256`` by one grouped convolution over
   the batch (``fastdp.layers.kinds.conv.ConvCall``); before: the whole batch's patches unfolded once and kept for
@@ -112,11 +120,21 @@ def _conv_kernels_before() -> contextlib.AbstractContextManager:
                         "factors")])
 
 
+def _reused_scratch_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.layers._matmul, "_scaled", lambda X, c: X * c)])
+
+
+def _drop_as_summed_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.clipped_sums, "_drop_kept", lambda rec: None)])
+
+
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "fused-norms": _fused_norms_before,
     "shared-gram": _shared_gram_before,
     "parallel-noise": _parallel_noise_before,
     "conv-kernels": _conv_kernels_before,
+    "reused-scratch": _reused_scratch_before,
+    "drop-as-summed": _drop_as_summed_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))
@@ -144,6 +162,26 @@ def measure(w: zoo.Workload, levers: list[str], reps: int, warmup: int) -> dict[
             if r >= warmup:
                 times[name].append(dt)
     return times
+
+
+def measure_memory(w: zoo.Workload, levers: list[str], warmup: int) -> dict[str, int]:
+    """Peak live-tensor growth (bytes) over one step of each configuration, after ``warmup`` steps of each (the
+    bytes held do not depend on the machine's load: one step each)."""
+    from workers import _live_peak_bytes
+
+    device = torch.device("cpu")
+    data = zoo.make_batch(w, device)
+    configs = {"non-private": (zoo.make_step(w, "non-private", device), contextlib.nullcontext),
+               "after": (zoo.make_step(w, zoo.DEFAULT_METHOD, device), contextlib.nullcontext)}
+    for lever in levers:
+        configs[f"{lever} before"] = (zoo.make_step(w, zoo.DEFAULT_METHOD, device), LEVERS[lever])
+    out = {}
+    for name, (step, ctx) in configs.items():
+        with ctx():
+            for _ in range(warmup):
+                step(data)
+            out[name] = _live_peak_bytes(step, data)
+    return out
 
 
 def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
@@ -185,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="tiny widths, size 16, batch 2, one round (a smoke test)")
     p.add_argument("--noise", action="store_true", help="only the noise A/B (per-parameter tensors or one flat buffer)")
+    p.add_argument("--memory", action="store_true", help="peak live-tensor growth of each configuration, not times")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.noise:
@@ -206,6 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         chosen = [zoo.Workload(m, s, zoo.default_batch(m, s, "cpu")) for m, s in workloads]
         reps, warmup = args.reps, args.warmup
+    if args.memory:
+        for w in chosen:
+            live = {k: v / 2**20 for k, v in measure_memory(w, args.levers, max(warmup, 1)).items()}
+            base = live["non-private"]
+            cells = [f"{base:.0f} MB"] + [f"{live[f'{lv} before'] / base:.3f}x" for lv in args.levers]
+            cells += [f"{live['after'] / base:.3f}x"]
+            cells += [f"{live[f'{lv} before'] / live['after']:.3f}" for lv in args.levers]
+            print(f"| {w.tag} | {' | '.join(cells)} |", flush=True)
+            results[w.tag] = live
+        chosen = []
     for w in chosen:
         times = measure(w, args.levers, reps, warmup)
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -218,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
         results[w.tag] = times
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, "times_s": results},
+        key = "live_mb" if args.memory else "times_s"
+        args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, key: results},
                                         indent=1))
 
 

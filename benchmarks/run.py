@@ -151,6 +151,8 @@ def summarize(rows: dict[str, dict], base: str) -> None:
             r["cpu_time_ratio"] = statistics.median(r["cpu_times_s"]) / base_c
         if r.get("memory_mb") is not None and base_m:
             r["memory_ratio"] = r["memory_mb"] / base_m
+        if r.get("live_mb") is not None and b.get("live_mb"):
+            r["live_ratio"] = r["live_mb"] / b["live_mb"]
         probes = [p for p in r.get("probe_s", []) if p is not None]
         if probes:
             r["probe_median_s"] = statistics.median(probes)
@@ -171,6 +173,10 @@ def run_workload(args: argparse.Namespace, preset: presets.Preset, w: zoo.Worklo
         mem = _call_worker(args, "memory", w, [m])
         if "memory_bytes" in mem:
             rows[m]["memory_mb"] = mem["memory_bytes"] / 2**20
+        if "live_bytes" in mem:
+            rows[m]["live_mb"] = mem["live_bytes"] / 2**20
+        elif "live_note" in mem:
+            rows[m]["live_note"] = mem["live_note"]
         else:
             rows[m]["memory_note"] = mem.get("unsupported") or mem.get("error")
         if args.max_batch:

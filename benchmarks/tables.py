@@ -78,6 +78,10 @@ def header(results: dict) -> str:
                          else "in a fresh process per method")
             text += (f" Memory: peak growth over {cfg['mem_steps']} steps{warm}, {where_mem} "
                      f"({'allocator peak' if env['device'] == 'cuda' else 'peak RSS'}).")
+            if any("live_mb" in r for wl in results["workloads"] for r in wl["methods"].values()):
+                text += (" Live tensors: peak growth of the bytes held by tensors over one more step, from the "
+                         "allocations and frees torch's profiler records (the CPU analogue of CUDA's allocator "
+                         "peak; the peak RSS also counts memory glibc's malloc keeps after tensors free it).")
     elif kind == "runs":
         text += (f" {cfg['reps']} alternating rounds of whole {cfg['steps']}-step runs, each with a freshly built "
                  "model and engine; medians.")
@@ -120,7 +124,8 @@ def evaluate_targets(results: dict) -> list[dict]:
                   (TARGET_RESNET, TARGET_RESNET, "ResNet-GroupNorm") if model == "resnet" else None)
         if limits is not None:
             for key, limit, what in (("time_ratio", limits[0], "step time"),
-                                     ("memory_ratio", limits[1], "peak memory growth")):
+                                     ("memory_ratio", limits[1], "peak memory growth"),
+                                     ("live_ratio", limits[1], "peak live-tensor growth")):
                 if default.get(key) is not None:
                     check(f"default mode {what} <= {limit}x non-private ({limits[2]})", tag, default[key], limit)
         for om in ("Opacus hooks", "Opacus ghost"):
@@ -130,7 +135,7 @@ def evaluate_targets(results: dict) -> list[dict]:
                 rows.append({"target": f"default mode >= {TARGET_OPACUS}x faster than {om}", "workload": tag,
                              "value": speedup, "met": speedup >= TARGET_OPACUS, "shown": f"{speedup:.2f}x faster"})
         b, nb = ms.get("DP-BiTFiT", {}), ms.get("non-private BiTFiT", {})
-        for key, what in (("median_s", "time"), ("memory_mb", "memory")):
+        for key, what in (("median_s", "time"), ("memory_mb", "memory"), ("live_mb", "live-tensor memory")):
             if b.get(key) and nb.get(key):
                 check(f"DP-BiTFiT {what} <= {TARGET_BITFIT}x non-private BiTFiT", tag, b[key] / nb[key],
                       TARGET_BITFIT)
@@ -148,9 +153,11 @@ def render_steps(results: dict, targets: bool = False) -> str:
         lines += ["", f"{sum(t['met'] for t in checks)} of {len(checks)} checks met.", ""]
     rows_all = [r for wl in results["workloads"] for r in wl["methods"].values()]
     has_mem = any("memory_mb" in r for r in rows_all)
+    has_live = any("live_mb" in r for r in rows_all)
     has_max = any("max_batch" in r for r in rows_all)
     cols = ["method", "median step (ms)", "time ratio", "CPU-time ratio"]
     cols += ["peak memory growth (MB)", "memory ratio"] if has_mem else []
+    cols += ["peak live-tensor growth (MB)", "live ratio"] if has_live else []
     cols += ["largest batch"] if has_max else []
     for wl in results["workloads"]:
         lines += [f"**{wl['tag']}**: {wl['describe']}, batch {wl['workload']['batch']}.{_load_note(results, wl)}",
@@ -164,6 +171,8 @@ def render_steps(results: dict, targets: bool = False) -> str:
             cells = [m, _ms(r), _ratio(r), _ratio(r, "cpu_time_ratio")]
             if has_mem:
                 cells += [_fmt(r.get("memory_mb"), ".0f"), _ratio(r, "memory_ratio")]
+            if has_live:
+                cells += [_fmt(r.get("live_mb"), ".0f"), _ratio(r, "live_ratio")]
             if has_max:
                 cells += [str(r.get("max_batch") or "-")]
             lines.append("| " + " | ".join(cells) + " |")
@@ -300,7 +309,8 @@ def render(results: dict, view: str | None = None) -> str:
 def write_csv(results: dict, path: Path) -> None:
     """One row per workload and method."""
     fields = ["tag", "model", "size", "tokens", "batch", "elements", "method", "median_ms", "time_ratio",
-              "cpu_time_ratio", "memory_mb", "memory_ratio", "max_batch", "probe_median_s", "status"]
+              "cpu_time_ratio", "memory_mb", "memory_ratio", "live_mb", "live_ratio", "max_batch", "probe_median_s",
+              "status"]
     with open(path, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=fields)
         wr.writeheader()
@@ -314,6 +324,7 @@ def write_csv(results: dict, path: Path) -> None:
                              "method": m, "median_ms": None if "median_s" not in r else round(1000 * r["median_s"], 3),
                              "time_ratio": r.get("time_ratio"), "cpu_time_ratio": r.get("cpu_time_ratio"),
                              "memory_mb": r.get("memory_mb"), "memory_ratio": r.get("memory_ratio"),
+                             "live_mb": r.get("live_mb"), "live_ratio": r.get("live_ratio"),
                              "max_batch": r.get("max_batch"), "probe_median_s": r.get("probe_median_s"),
                              "status": status})
 

@@ -376,7 +376,7 @@ class Capture:
                 f"a backward pass reached {type(rec.module).__name__} through a forward call whose records the "
                 "engine discarded after a failed forward or backward pass (nothing of it can be released). Run "
                 "the forward pass again and call backward on its new output.")
-        if rec.grads[k] is not None or rec.psg is not None:
+        if rec.grads[k] is not None or rec.psg is not None or rec.summed:
             raise RuntimeError(
                 f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
                 "sample may contribute once per logical step. Do not call backward twice on one graph "

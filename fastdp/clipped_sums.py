@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from fastdp.clipping import ClipFn
 from fastdp.deferred import DeferredCheck, defers
-from fastdp.layers._matmul import shared_input_grams
+from fastdp.layers._matmul import reused_scratch, shared_input_grams
 from fastdp.layers.base import accumulation_dtype, replay_autocast
 from fastdp.modes import ClippingMode
 from fastdp.norms import batch_size_of, norm_sq, per_sample_grad, shared_norm_sq, use_ghost
@@ -123,7 +123,9 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
     """``sum_i C_i g_i`` per parameter for one backward pass (see the module docstring).
 
     Args:
-        records: the calls whose output gradients arrived in this backward pass.
+        records: the calls whose output gradients arrived in this backward pass. They are finished by this
+            call: what they keep is freed as their sums are formed (book-keeping and kept per-sample
+            gradients; GhostClip's replays keep theirs to the end).
         param_of: ``(id(module), attribute name) -> parameter``.
         cfg: clipping mode, function, per-group thresholds and groups, loss reduction, non-finite policy.
         stream: optional consumer of the sums as they are formed (:mod:`fastdp.sharding` reduce-scatters a sharded
@@ -163,6 +165,16 @@ def _sanitize(rec: Record, bad: torch.Tensor) -> None:
     rec.grads = [zero_rows(g) for g in rec.grads]
     rec.activation = zero_rows(rec.activation)
     rec.ctx = None
+
+
+def _drop_kept(rec: Record) -> None:
+    """Free what ``rec`` keeps (input, output gradients, per-sample gradients, prepared context) once its clipped
+    sums are formed; the record is finished (its pass is summed)."""
+    rec.summed = True
+    rec.ctx = None
+    rec.activation = None
+    rec.psg = None
+    rec.grads[:] = [None] * len(rec.grads)
 
 
 def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMode
@@ -251,24 +263,34 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         above = norms > cfg.thresholds[k]
         over = above if over is None else over | above
 
-    # Step 3: clipped sums.
+    # Step 3: clipped sums. A record's kept tensors are dropped as soon as every parameter it serves has its sum,
+    # so the sums take the place of the activations and output gradients instead of piling up on top of them.
     if stream is not None:
         stream.begin()
     out: dict[nn.Parameter, torch.Tensor] = {}
     replay: dict[Record, list[str]] = {}
-    for param, plist in uses.items():
-        coef = coefs[cfg.group_of[param]]
-        if param in kept:
-            out[param] = _weighted_sum(coef, kept.pop(param))
-        elif mode.sums == "replay":
-            for rec, name in plist:
-                replay.setdefault(rec, []).append(name)
-            continue
-        else:  # book-keeping: one contraction per use, summed over uses
-            for rec, name in plist:
-                _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, coef))
-        if stream is not None and stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
-            del out[param]
+    uses_left: dict[Record, int] = {}
+    for plist in uses.values():
+        for rec, _ in plist:
+            uses_left[rec] = uses_left.get(rec, 0) + 1
+    with reused_scratch():
+        for param, plist in uses.items():
+            coef = coefs[cfg.group_of[param]]
+            if param in kept:
+                out[param] = _weighted_sum(coef, kept.pop(param))
+            elif mode.sums == "replay":
+                for rec, name in plist:
+                    replay.setdefault(rec, []).append(name)
+                continue
+            else:  # book-keeping: one contraction per use, summed over uses
+                for rec, name in plist:
+                    _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, coef))
+            for rec, _ in plist:
+                uses_left[rec] -= 1
+                if not uses_left[rec]:
+                    _drop_kept(rec)
+            if stream is not None and stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
+                del out[param]
     for rec, names in replay.items():
         by_group: dict[int, list[str]] = {}
         for n in names:

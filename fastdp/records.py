@@ -39,6 +39,9 @@ class Record:
     #: the engine's id of the model's forward call that made this record (records of a failed pass are dropped
     #: together with the other records of the same forward call)
     forward: int = -1
+    #: the record's clipped sums are formed and what it kept is freed (:func:`fastdp.clipped_sums._drop_kept`); a
+    #: later backward pass through the same call is refused as a second one
+    summed: bool = False
 
     @property
     def grad_output(self) -> torch.Tensor | None:
@@ -47,7 +50,7 @@ class Record:
     @property
     def reached(self) -> bool:
         """Whether the backward pass delivered a gradient to any of the call's outputs."""
-        return self.psg is not None or any(g is not None for g in self.grads)
+        return self.summed or self.psg is not None or any(g is not None for g in self.grads)
 
 
 __all__ = ["Record"]

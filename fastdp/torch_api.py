@@ -7,6 +7,7 @@ A torch upgrade that changes one of them breaks here, in one place. Each was tes
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -64,14 +65,17 @@ _FP32_PRECISION_BACKENDS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rn
                             ("mkldnn", "conv"), ("mkldnn", "rnn"))
 
 
-def _fp32_precision_targets() -> list[Any]:
-    """The ``torch.backends.<backend>.<op>`` objects that have an ``fp32_precision`` setting (torch >= 2.9)."""
+@functools.cache
+def _fp32_precision_targets() -> tuple[Any, ...]:
+    """The ``torch.backends.<backend>.<op>`` objects that have an ``fp32_precision`` setting (torch >= 2.9); the
+    same objects for the life of the process, so looked up once (the lookup was 40 % of :func:`ieee_float32`'s
+    cost, which the backward pass pays once per hooked module)."""
     out = []
     for backend, op in _FP32_PRECISION_BACKENDS:
         target = getattr(getattr(torch.backends, backend, None), op, None)
         if target is not None and hasattr(target, "fp32_precision"):
             out.append(target)
-    return out
+    return tuple(out)
 
 
 def _legacy_setting(read: Callable[[], Any], untouched: Any) -> Any:

@@ -275,14 +275,54 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.noise
     from fastdp.layers.kinds.conv import ConvKind
 
-    before = (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
-              ConvKind.prepare, ConvKind.clipped_sum)
+    def current():
+        return (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
+                ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept)
+
+    before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
     out = capsys.readouterr().out
     assert out.count("| tinycls-tiny-T16-B2 |") == 1 and "fused-norms gain" in out and "shared-gram gain" in out
     saved = json.loads((tmp_path / "l.json").read_text())["times_s"]["tinycls-tiny-T16-B2"]
     assert set(saved) == {"non-private", "after", "fused-norms before", "shared-gram before",
-                         "parallel-noise before", "conv-kernels before"}
+                         "parallel-noise before", "conv-kernels before", "reused-scratch before",
+                         "drop-as-summed before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
-    assert (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
-            ConvKind.prepare, ConvKind.clipped_sum) == before
+    assert current() == before
+
+
+def test_levers_memory_mode_sees_the_dropped_records(capsys, tmp_path):
+    """``--memory``: peak live-tensor growth per configuration. Keeping every record to the end of the pass (the
+    drop-as-summed "before") holds more at the peak on a model whose peak falls in the clipped sums (an MLP:
+    activations are small next to the sums)."""
+    import levers
+
+    import fastdp.clipped_sums
+
+    levers.main(["--quick", "--memory", "--levers", "drop-as-summed", "--models", "cnn", "--json",
+                 str(tmp_path / "m.json")])
+    live = json.loads((tmp_path / "m.json").read_text())["live_mb"]["cnn-tiny-img16-B2"]
+    assert set(live) == {"non-private", "after", "drop-as-summed before"}
+    assert all(v > 0 for v in live.values())
+    assert live["drop-as-summed before"] >= live["after"]
+    assert fastdp.clipped_sums._drop_kept.__name__ == "_drop_kept"
+
+
+def test_live_tensor_peak_counts_what_a_step_holds():
+    """``workers._live_peak_bytes`` (the CPU analogue of CUDA's allocator peak): a step that holds one extra
+    8 MiB tensor at its peak reads at least 8 MiB more than the same step without it."""
+    import workers
+
+    x = torch.randn(64, 64)
+
+    def plain(data):
+        (data[0] @ data[0]).sum()
+
+    def holding(data):
+        extra = torch.ones(2 * 2**20)  # 8 MiB, alive across the product
+        (data[0] @ data[0]).sum()
+        del extra
+
+    a = workers._live_peak_bytes(plain, (x, x))
+    b = workers._live_peak_bytes(holding, (x, x))
+    assert b - a >= 8 * 2**20
