@@ -167,6 +167,20 @@ def _sanitize(rec: Record, bad: torch.Tensor) -> None:
     rec.ctx = None
 
 
+def _kept_bytes(rec: Record) -> int:
+    """Bytes of the tensors ``rec`` keeps (input, output gradients, per-sample gradients)."""
+    held = [rec.activation, *rec.grads, *(rec.psg or {}).values()]
+    return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+
+
+def _net_bytes(param: nn.Parameter, plist: list[tuple[Record, str]]) -> int:
+    """What forming ``param``'s clipped sum adds to memory: its sum, less what its records keep. Step 3 forms the
+    sums in increasing order of this (without a sharded stream, whose collectives keep the records' order on every
+    rank), so a large sum over small kept tensors (an embedding table's, after token ids and a ``B x T x d``
+    gradient) is formed after the layers whose drop makes room for it."""
+    return param.numel() * param.element_size() - max(_kept_bytes(rec) for rec, _ in plist)
+
+
 def _drop_kept(rec: Record) -> None:
     """Free what ``rec`` keeps (input, output gradients, per-sample gradients, prepared context) once its clipped
     sums are formed; the record is finished (its pass is summed)."""
@@ -273,8 +287,10 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
     for plist in uses.values():
         for rec, _ in plist:
             uses_left[rec] = uses_left.get(rec, 0) + 1
+    order = list(uses) if stream is not None else sorted(uses, key=lambda q: _net_bytes(q, uses[q]))
     with reused_scratch():
-        for param, plist in uses.items():
+        for param in order:
+            plist = uses[param]
             coef = coefs[cfg.group_of[param]]
             if param in kept:
                 out[param] = _weighted_sum(coef, kept.pop(param))

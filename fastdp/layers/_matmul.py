@@ -70,9 +70,10 @@ SHARE_INPUT_GRAMS = True
 
 @contextlib.contextmanager
 def shared_input_grams() -> Iterator[None]:
-    """Within this context, layers that read the same input tensor (the ``q``, ``k``, ``v`` projections of one
-    attention block) share one input Gram ``A_i A_i^T`` in their ghost norms instead of forming one each. The
-    cache lives for the context (one pass of per-sample norms) and is freed when it ends."""
+    """Within this context, layers that read the same input tensor one after another (the ``q``, ``k``, ``v``
+    projections of one attention block) share one input Gram ``A_i A_i^T`` in their ghost norms instead of forming
+    one each. Only the latest Gram is kept (a layer reading another input replaces it), so the pass holds one
+    Gram at a time, not one per layer; the cache is freed when the context (one pass of per-sample norms) ends."""
     token = _input_grams.set({} if SHARE_INPUT_GRAMS else None)
     try:
         yield
@@ -82,13 +83,14 @@ def shared_input_grams() -> Iterator[None]:
 
 def input_gram(A: torch.Tensor) -> torch.Tensor:
     """``A_i A_i^T`` per sample and group, ``(B, g, T, T)``, from the pass's cache when the same input (same
-    storage, offset, shape, strides, dtype and version counter) was seen already."""
+    storage, offset, shape, strides, dtype and version counter) was the latest one seen."""
     cache = _input_grams.get()
     if cache is None:
         return torch.matmul(A, A.transpose(-1, -2))
     key = (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version)
     gram = cache.get(key)
     if gram is None:
+        cache.clear()  # free the previous input's Gram before forming this one
         gram = cache[key] = torch.matmul(A, A.transpose(-1, -2))
     return gram
 

@@ -130,5 +130,9 @@ def test_the_gram_cache_lives_for_one_pass_only():
         A.mul_(2)  # an in-place change bumps the version counter: a new Gram, not the stale one
         torch.testing.assert_close(_matmul.input_gram(A), A @ A.transpose(-1, -2))
         assert _matmul.input_gram(A.clone()) is not first  # another storage
+        assert len(_matmul._input_grams.get()) == 1  # only the latest input's Gram is held
+        other = torch.randn(2, 1, 5, 4)
+        _matmul.input_gram(other)
+        assert list(_matmul._input_grams.get().values())[0].shape == (2, 1, 5, 5)
     assert _matmul._input_grams.get() is None  # freed with the context
     assert _matmul.input_gram(A) is not _matmul.input_gram(A)  # outside: never cached

@@ -140,3 +140,40 @@ def test_scaling_refuses_the_buffer_for_tensors_that_need_grad():
         y = _matmul._scaled(x, c)
     assert y.requires_grad
     torch.testing.assert_close(y, x * c)
+
+
+class _EmbedThenLinear(nn.Module):
+    """A wide embedding table (its clipped sum is large, what it keeps is small) read before two Linear layers."""
+
+    def __init__(self, V=500, d=8):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb, self.a, self.b = nn.Embedding(V, d), nn.Linear(d, d), nn.Linear(d, 2)
+
+    def forward(self, ids):
+        return self.b(torch.tanh(self.a(self.emb(ids)))).sum(dim=1)
+
+
+def test_a_large_sum_over_small_kept_tensors_is_formed_after_the_others_are_dropped(spy, monkeypatch):
+    """The embedding is the first record of the pass, but its ``V x d`` sum is formed last, once the Linear
+    records are dropped (step 3's order, ``fastdp.clipped_sums._net_bytes``); the release is exact either way."""
+    from fastdp.layers.kinds.embedding import EmbeddingKind
+
+    seen = []
+    real = EmbeddingKind.clipped_sum
+
+    def embedding_sum(self, module, ctx, name, coef):
+        seen.append(spy["dropped"])
+        return real(self, module, ctx, name, coef)
+
+    monkeypatch.setattr(EmbeddingKind, "clipped_sum", embedding_sum)
+    model = _EmbedThenLinear().double()
+    B, T = 3, 4
+    g = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 500, (B, T), generator=g), torch.randn(B, 2, generator=g, dtype=torch.float64)
+    want = oracle_release(model, mse_per_sample, [(ids, y)], fn="abadi", R=0.05, batch_size=B)
+    _, _, got = run_engine_once(model, mse_per_sample, [(ids, y)], batch_size=B, R=0.05, fn="abadi",
+                                style="all-layer", mode="BK-MixOpt", reduction="sum", verify_structure=False)
+    assert_grads_close(got, want)
+    assert seen == [2]  # both Linear records were dropped before the table's sum was allocated
+    assert spy["drops"][-1] == "Embedding"
