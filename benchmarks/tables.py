@@ -192,7 +192,9 @@ def render_summary(results: dict) -> str:
     BiTFiT training, and the default mode's speed-up over Opacus (columns only where the run measured Opacus)."""
     opacus = [om for om in ("Opacus hooks", "Opacus ghost")
               if any(om in wl["methods"] for wl in results["workloads"])]
+    live = any("live_mb" in r for wl in results["workloads"] for r in wl["methods"].values())
     head = ["workload", "default mode time / non-private", "memory / non-private",
+            *(["live-tensor memory / non-private"] if live else []),
             *(f"speed-up over {om}" for om in opacus), "DP-BiTFiT time / non-private",
             "DP-BiTFiT time / non-private BiTFiT"]
     lines = [f"From `{results['json']}` ({results['env']['date']}, {results['env'].get('gpu') or 'CPU'}; full "
@@ -203,7 +205,8 @@ def render_summary(results: dict) -> str:
         d, b, nb = ms.get(D, {}), ms.get("DP-BiTFiT", {}), ms.get("non-private BiTFiT", {})
         over = [_speedup(ms.get(om, {}), d) for om in opacus]
         vs_bitfit = b["median_s"] / nb["median_s"] if b.get("median_s") and nb.get("median_s") else None
-        cells = [wl["tag"], _ratio(d), _ratio(d, "memory_ratio"), *over, _ratio(b), _fmt(vs_bitfit, ".2f", "x")]
+        cells = [wl["tag"], _ratio(d), _ratio(d, "memory_ratio"), *([_ratio(d, "live_ratio")] if live else []),
+                 *over, _ratio(b), _fmt(vs_bitfit, ".2f", "x")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
