@@ -32,6 +32,13 @@ Levers:
 * ``drop-as-summed``: a record's kept input and output gradients (or per-sample gradients) are freed as soon as the
   clipped sums of its parameters are formed (``fastdp.clipped_sums._drop_kept``); before: all kept to the end of
   the pass, so the sums piled up on top of them. A memory lever: ``--memory`` reports it.
+* ``sum-order``: step 3 forms the sums in increasing order of what they add to memory (``fastdp.clipped_sums.
+  _net_bytes``: an embedding table's sum after the layers whose drop makes room); before: the records' order.
+  A memory lever.
+* ``shared-input-fits``: the default mode's memory rule for instantiating per-sample gradients counts an input
+  read by several calls (``q``, ``k``, ``v``) once for all of them (``fastdp.layers._matmul.instantiation_fits``,
+  ``readers``); before: once per call, so those layers were instantiated where that holds more than book-keeping
+  keeps. A memory lever, with its time shown by the default A/B.
 * ``conv-kernels``: a convolution's patches unfolded a few MiB of samples at a time for each operation (ghost norm,
   clipped sum, per-sample gradients), and its per-sample gradients at ``T >= 256`` by one grouped convolution over
   the batch (``fastdp.layers.kinds.conv.ConvCall``); before: the whole batch's patches unfolded once and kept for
@@ -128,6 +135,18 @@ def _drop_as_summed_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.clipped_sums, "_drop_kept", lambda rec: None)])
 
 
+def _sum_order_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.clipped_sums, "_net_bytes", lambda param, plist: 0)])  # stable sort: records' order
+
+
+_instantiation_fits_now = _matmul.instantiation_fits
+
+
+def _shared_input_fits_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.layers._matmul, "instantiation_fits",
+                      lambda A, G, readers=1: _instantiation_fits_now(A, G))])
+
+
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "fused-norms": _fused_norms_before,
     "shared-gram": _shared_gram_before,
@@ -135,6 +154,8 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "conv-kernels": _conv_kernels_before,
     "reused-scratch": _reused_scratch_before,
     "drop-as-summed": _drop_as_summed_before,
+    "sum-order": _sum_order_before,
+    "shared-input-fits": _shared_input_fits_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))

@@ -360,6 +360,9 @@ class Capture:
                 activation = activation.expand(B, *activation.shape[1:])
         rec = Record(module=module, kind=kind, names=names, activation=activation, autocast=autocast_state(),
                      forward=self.current_forward())
+        if self.pending and _same_tensor(self.pending[-1].activation, activation):  # q, k, v: one input, kept once
+            rec.readers = self.pending[-1].readers
+            rec.readers[0] += 1
         out = self.hook_output(out, rec, 0)
         self.pending.append(rec)
         return out if out is not output else None
@@ -473,6 +476,14 @@ def _batchnorm_guard(mname: str, module: nn.Module, args: tuple[Any, ...]) -> No
     if module.training and torch.is_grad_enabled():
         raise RuntimeError(f"module {mname!r} ({type(module).__name__}) runs in train mode under a "
                            "PrivacyEngine: batch statistics mix samples. Call .eval() on it.")
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether two kept activations are views of the same data (same storage offset, shape, strides, dtype and
+    device): two calls that read one input tensor."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+            and a.numel() > 0 and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.device == b.device)
 
 
 __all__ = ["CallFrame", "Capture", "PlanEntry", "ProbeState", "RootFrame"]

@@ -212,7 +212,7 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
             continue
         rec, name = plist[0]
         kind, module = rec.kind, rec.module
-        if rec.psg is None and use_ghost(kind, module, rec.ctx, name, mode):
+        if rec.psg is None and use_ghost(kind, module, rec.ctx, name, mode, rec.readers[0]):
             sq_of[param] = kind.ghost_norm_sq(module, rec.ctx, name)
             how[id(param)] = "ghost"
         else:

@@ -22,14 +22,15 @@ from fastdp.modes import ClippingMode
 from fastdp.records import Record
 
 
-def use_ghost(kind: LayerKind, module: nn.Module, ctx: Any, name: str, mode: ClippingMode) -> bool:
+def use_ghost(kind: LayerKind, module: nn.Module, ctx: Any, name: str, mode: ClippingMode, readers: int = 1) -> bool:
     """Whether parameter ``name`` of a call gets its per-sample norm from the ghost norm (else by instantiation).
 
     * ``"BK-ghost"``, ``"ghost"``: always, where the kind has a ghost norm; ``"instantiate"``: never.
     * ``"BK-MixGhostClip"``: the paper's cost model, ghost when ``2 T^2 < p d`` (:meth:`LayerKind.prefers_ghost`).
     * ``"BK-MixOpt"`` (default): the same, except that a per-sample gradient no larger than what book-keeping keeps
-      of the call anyway (``p d <= T (p + d)``, :meth:`LayerKind.instantiation_fits`) is instantiated: it is then
-      computed as the output gradient arrives and replaces the kept input and output gradient
+      of the call anyway (``p d <= T (p + d)``, :meth:`LayerKind.instantiation_fits`; ``T (p + d / readers)`` when
+      ``readers`` recorded calls read the same input, which is kept once for all of them) is instantiated: it is
+      then computed as the output gradient arrives and replaces the kept input and output gradient
       (:func:`instantiate_on_arrival`), so it costs no memory, and it saves the ``T x T`` Gram matrices' time.
     """
     if name not in kind.ghost_names(module) or mode.norms == "never":
@@ -38,7 +39,7 @@ def use_ghost(kind: LayerKind, module: nn.Module, ctx: Any, name: str, mode: Cli
         return True
     if not kind.prefers_ghost(module, ctx, name):
         return False
-    return not (mode.norms == "cost-fits" and kind.instantiation_fits(module, ctx, name))
+    return not (mode.norms == "cost-fits" and kind.instantiation_fits(module, ctx, name, readers))
 
 
 def instantiate_on_arrival(rec: Record, mode: ClippingMode) -> bool:
@@ -53,7 +54,7 @@ def instantiate_on_arrival(rec: Record, mode: ClippingMode) -> bool:
     kind, module = rec.kind, rec.module
     ctx = kind.prepare(module, rec.activation, rec.grad_output)
     names = sorted(rec.names)
-    if any(use_ghost(kind, module, ctx, n, mode) for n in names):
+    if any(use_ghost(kind, module, ctx, n, mode, rec.readers[0]) for n in names):
         return False
     rec.batch = kind.batch_size(rec.activation, rec.grad_output)
     rec.psg = {n: kind.per_sample_grad(module, ctx, n) for n in names}

@@ -39,6 +39,10 @@ class Record:
     #: the engine's id of the model's forward call that made this record (records of a failed pass are dropped
     #: together with the other records of the same forward call)
     forward: int = -1
+    #: how many recorded calls of this forward read the same input tensor as this one (a one-element list shared by
+    #: them: the ``q``, ``k``, ``v`` projections of an attention block read one hidden state); book-keeping keeps
+    #: that input once for all of them (:func:`fastdp.norms.use_ghost`)
+    readers: list[int] = field(default_factory=lambda: [1])
     #: the record's clipped sums are formed and what it kept is freed (:func:`fastdp.clipped_sums._drop_kept`); a
     #: later backward pass through the same call is refused as a second one
     summed: bool = False

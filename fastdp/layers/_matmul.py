@@ -39,11 +39,12 @@ def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
     return 2 * T * T < p * d
 
 
-def instantiation_fits(A: torch.Tensor, G: torch.Tensor) -> bool:
-    """``p d <= T (p + d)``: a per-sample gradient ``(p, d)`` is no larger than the ``T`` rows of input ``d`` and
-    output gradient ``p`` that book-keeping keeps per sample (and per group)."""
+def instantiation_fits(A: torch.Tensor, G: torch.Tensor, readers: int = 1) -> bool:
+    """``p d <= T (p + d / readers)``: a per-sample gradient ``(p, d)`` is no larger than the ``T`` rows of output
+    gradient ``p`` and the call's share of the ``T`` rows of input ``d`` that book-keeping keeps per sample (and per
+    group); an input read by ``readers`` calls (``q``, ``k``, ``v``) is kept once for all of them."""
     T, d, p = A.shape[2], A.shape[3], G.shape[3]
-    return p * d <= T * (p + d)
+    return p * d * readers <= T * (p * readers + d)
 
 
 def per_sample_grad(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -161,8 +162,8 @@ class OuterProductKind(LayerKind):
     def prefers_ghost(self, module: nn.Module, ctx: Any, name: str) -> bool:
         return prefers_ghost(*ctx)
 
-    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str) -> bool:
-        return name == "bias" or instantiation_fits(*ctx)
+    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str, readers: int = 1) -> bool:
+        return name == "bias" or instantiation_fits(*ctx, readers)
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         return ghost_norm_sq(*ctx)

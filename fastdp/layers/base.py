@@ -147,10 +147,11 @@ class LayerKind:
         """Cost model: ``True`` when the ghost norm is cheaper than instantiating (2 T^2 < p d)."""
         return False
 
-    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str) -> bool:
+    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str, readers: int = 1) -> bool:
         """Whether the per-sample gradients of ``name`` take no more memory than what book-keeping keeps of this call
-        anyway (its input and output gradient). The default mode then instantiates them as soon as the output
-        gradient arrives and drops the kept tensors, which costs no memory and saves the ghost norm's time.
+        anyway (its input and output gradient; an input read by ``readers`` recorded calls is kept once for all of
+        them, so each call's share is ``1 / readers`` of it). The default mode then instantiates them as soon as the
+        output gradient arrives and drops the kept tensors, which costs no memory and saves the ghost norm's time.
         Default: ``False`` (only :meth:`prefers_ghost` decides)."""
         return False
 

@@ -177,3 +177,38 @@ def test_a_large_sum_over_small_kept_tensors_is_formed_after_the_others_are_drop
     assert_grads_close(got, want)
     assert seen == [2]  # both Linear records were dropped before the table's sum was allocated
     assert spy["drops"][-1] == "Embedding"
+
+
+class _QKV(nn.Module):
+    """Separate q, k, v projections of one input, and an output projection of another."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        torch.manual_seed(4)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        att = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / x.shape[-1] ** 0.5, dim=-1)
+        return self.o(att @ self.v(x)).sum(dim=1)
+
+
+@pytest.mark.parametrize("T, qkv_how", [
+    (10, "ghost"),          # p d = 256 > T (p + d / 3) = 213: keeping A once and three G is less than three g_i
+    (14, "instantiated"),   # 256 <= 14 (16 + 16 / 3) = 299: the per-sample gradients fit
+])
+def test_an_input_read_by_three_calls_counts_once_in_the_memory_rule(T, qkv_how):
+    """The default mode instantiates a per-sample gradient only where it is no larger than what book-keeping keeps:
+    for ``q``, ``k``, ``v`` reading one input that is the three output gradients and the input once (not three
+    times). ``o`` reads its own input: instantiated at both T (``p d = 256 <= T (p + d)``)."""
+    model = _QKV().double()
+    B = 3
+    g = torch.Generator().manual_seed(T)
+    x, y = torch.randn(B, T, 16, generator=g, dtype=torch.float64), torch.randn(B, 16, generator=g,
+                                                                                dtype=torch.float64)
+    want = oracle_release(model, mse_per_sample, [(x, y)], fn="abadi", R=0.05, batch_size=B)
+    engine, _, got = run_engine_once(model, mse_per_sample, [(x, y)], batch_size=B, R=0.05, fn="abadi",
+                                     style="all-layer", mode="BK-MixOpt", reduction="sum", verify_structure=False)
+    assert_grads_close(got, want)
+    how = {name: engine.plan.last_norms[id(p)] for name, p in model.named_parameters()}
+    assert {how[f"{m}.weight"] for m in "qkv"} == {qkv_how}
+    assert how["o.weight"] == "instantiated"

@@ -97,7 +97,8 @@ class ConvKind(_matmul.OuterProductKind):
         call: ConvCall = ctx
         return 2 * call.T * call.T < call.p * call.d
 
-    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str) -> bool:
+    def instantiation_fits(self, module: nn.Module, ctx: Any, name: str, readers: int = 1) -> bool:
+        # (the kept input is the unpadded image, not its T x d patches: ``readers`` is not applied to this estimate)
         call: ConvCall = ctx
         return name == "bias" or call.p * call.d <= call.T * (call.p + call.d)
 
