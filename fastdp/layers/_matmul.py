@@ -104,10 +104,9 @@ _scratch: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastdp_s
 def reused_scratch() -> Iterator[None]:
     """Within this context, :func:`clipped_sum` writes each layer's scaled operand ``coef_i A_i`` into one buffer
     per dtype and device, reused from layer to layer (grown when a larger operand comes), instead of a fresh
-    tensor per layer. Each product has finished reading the buffer before the next layer writes it (one stream).
-    On CPU a fresh multi-megabyte tensor is paid in page faults: on the plain-torch classifier at T 64 the 24
-    scalings of a step took 12.3 ms as fresh tensors and 3.1 ms in one reused buffer (profiled). Freed when the
-    context ends."""
+    tensor per layer. Each product has finished reading the buffer before the next layer writes it (one stream),
+    so a scaled operand is valid only until the next call. On CPU a fresh multi-megabyte tensor is paid in page
+    faults (benchmarks/levers.py ``reused-scratch``). Freed when the context ends."""
     token = _scratch.set({})
     try:
         yield
