@@ -76,7 +76,9 @@ class BackwardResult:
 
     sums: dict[nn.Parameter, torch.Tensor]
     batch_size: int
-    nonfinite: int = 0
+    #: (a 0-dim int64 tensor on the device when counted without a host read: ``on_nonfinite="zero"`` on an
+    #: accelerator; the release reads it once per step)
+    nonfinite: int | torch.Tensor = 0
     #: id(parameter) -> how its per-sample norm was computed ("ghost", "instantiated", "generic"; "shared" added
     #: for a parameter with several uses), for :meth:`fastdp.plan.Plan.describe`
     norms: dict[int, str] = field(default_factory=dict)
@@ -167,6 +169,35 @@ def _sanitize(rec: Record, bad: torch.Tensor) -> None:
     rec.ctx = None
 
 
+def _sanitize_pass(records: list[Record], kept: dict[nn.Parameter, torch.Tensor], bad: torch.Tensor
+                   ) -> dict[nn.Parameter, torch.Tensor]:
+    """:func:`_sanitize` for a pass whose bad samples are not known on the host (``bad``: ``(B,)`` bool on the
+    device): every record's kept tensors and every kept per-sample gradient get the rows of ``bad`` zeroed by one
+    ``torch.where`` each (a tensor that several records keep, such as the input ``q``, ``k``, ``v`` share, is
+    zeroed once), and the records' contexts are prepared again from them. Returns the sanitized ``kept``."""
+    done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def zero_rows(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != len(bad):
+            return t
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        hit = done.get(key)
+        if hit is None or t.numel() == 0:
+            hit = done[key] = (t, torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype), t))
+        return hit[1]
+
+    for rec in records:
+        if not rec.kind.replayable:  # generic: its per-sample gradients are in `kept`
+            continue
+        if rec.psg is not None:
+            rec.psg = {n: zero_rows(g) for n, g in rec.psg.items()}
+            continue
+        rec.grads = [zero_rows(g) for g in rec.grads]
+        rec.activation = zero_rows(rec.activation)
+        rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+    return {p: zero_rows(g) for p, g in kept.items()}
+
+
 def _kept_bytes(rec: Record) -> int:
     """Bytes of the tensors ``rec`` keeps (input, output gradients, per-sample gradients)."""
     held = [rec.activation, *rec.grads, *(rec.psg or {}).values()]
@@ -248,11 +279,18 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         k = cfg.group_of[param]
         group_sq[k] = group_sq[k] + sq if k in group_sq else sq
     nonfinite_mask: torch.Tensor | None = None  # the non-finite samples, checked when the step is released
+    nonfinite_count: int | torch.Tensor = 0  # samples given factor 0 (a device tensor when not read here)
     if group_sq:
         total_sq = sum(group_sq.values())
         bad = ~torch.isfinite(total_sq)
         if cfg.on_nonfinite == "raise" and defers(total_sq.device):
             nonfinite_mask = bad  # no host synchronisation here: Release checks it before anything is released
+        elif cfg.on_nonfinite == "zero" and defers(total_sq.device):
+            # no host synchronisation: whether or not a sample is bad, zero the bad samples' rows of what step 3
+            # reads and give them norm 0, as the branch below does once it has seen one
+            kept = _sanitize_pass(records, kept, bad)
+            group_sq = {k: torch.where(bad, torch.zeros((), dtype=sq.dtype), sq) for k, sq in group_sq.items()}
+            nonfinite_count = bad.sum()
         elif bool(bad.any()):
             idx = bad.nonzero().flatten().tolist()
             if cfg.on_nonfinite not in ("zero", "scaler"):
@@ -320,5 +358,5 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             if stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
                 del out[param]
     clipped = None if over is None else over.sum()
-    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, 0, how, unclipped,
-                          clipped, nonfinite_mask=nonfinite_mask)
+    return BackwardResult({p: s.to(accumulation_dtype(s.dtype)) for p, s in out.items()}, B, nonfinite_count, how,
+                          unclipped, clipped, nonfinite_mask=nonfinite_mask)

@@ -115,7 +115,8 @@ class PrivacyEngine:
             :class:`PrivacyBudgetExceeded` before anything is released.
         on_nonfinite: ``"raise"`` (default): a sample whose gradient has NaN/inf stops the step with an error
             (raised by the backward pass on the CPU, by ``optimizer.step()`` on an accelerator);
-            ``"zero"``: such samples get clipping factor 0 (still private), counted in ``nonfinite_samples``.
+            ``"zero"``: such samples get clipping factor 0 (still private), counted in ``nonfinite_samples`` (on an
+            accelerator when the step is released: the backward pass zeroes them without reading the flags).
         verify_structure: run the structure probe (:mod:`fastdp.probe`) once per new input signature of the model's
             forward: the engine's per-sample gradients of a few samples are compared with a batch-of-one
             computation, and a mismatch raises :class:`fastdp.probe.StructureError`. Turning it off gives up that
@@ -270,7 +271,8 @@ class PrivacyEngine:
 
     @property
     def nonfinite_samples(self) -> int:
-        """Samples given clipping factor 0 for non-finite gradients (``on_nonfinite="zero"``)."""
+        """Samples given clipping factor 0 for non-finite gradients (``on_nonfinite="zero"``), in the steps released
+        so far (on an accelerator a step's count is read when it is released)."""
         return self._release.nonfinite_samples
 
     @property

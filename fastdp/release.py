@@ -75,6 +75,9 @@ class Release:
         self.deferred_checks: list[DeferredCheck] = []
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
+        #: this step's counts of such samples still on the device (on_nonfinite="zero" on an accelerator): added to
+        #: nonfinite_samples when the step is released, with one host read
+        self.step_nonfinite: list[torch.Tensor] = []
         self.step_unclipped = 0  # samples with ||g_i|| <= R_t this step (adaptive clipping, fastdp.adaptive)
         self.empty_step = False  # an `engine.empty_step()` is running
         self.refusal: str | None = None  # a refusal decided before the step (several ranks: agreed in the step)
@@ -118,7 +121,9 @@ class Release:
         self.deferred_checks.extend(result.deferred)
         self.step_unclipped += result.unclipped
         self.clip_counter.add(result.clipped, result.batch_size)
-        if result.nonfinite and self.scaler is not None:  # overflow under the loss scale (fastdp.amp)
+        if isinstance(result.nonfinite, torch.Tensor):  # not read on the host yet: counted at the release
+            self.step_nonfinite.append(result.nonfinite)
+        elif result.nonfinite and self.scaler is not None:  # overflow under the loss scale (fastdp.amp)
             self.overflow_samples += result.nonfinite
         elif result.nonfinite:
             self.nonfinite_samples += result.nonfinite
@@ -140,6 +145,7 @@ class Release:
         self.step_passes = 0
         self.deferred_nonfinite = []
         self.deferred_checks = []
+        self.step_nonfinite = []
         self.overflow_samples = 0
         self.step_unclipped = 0
         self.clip_counter.discard()
@@ -193,6 +199,7 @@ class Release:
             samples = self._agree_step(group, optimizer, args, kwargs)
         self._check_budget()
         self._check_sample_rate(samples)
+        self._count_nonfinite()
         eng._capture.pending.clear()  # forward calls that never got a backward pass
         noisy_count = 0.0  # adaptive clipping: sum_i (b_i - 1/2) + N(0, sigma_b^2) over every rank
         self.last_step_skipped = self.scaler is not None and self.scaler.overflowed(
@@ -282,6 +289,17 @@ class Release:
                 f"the accountant's ledger records {self.accountant.ledger.steps} training steps but the engine "
                 f"released {self.steps}: its history was changed outside the engine. Nothing was "
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
+
+    def _count_nonfinite(self) -> None:
+        """Add this step's device-side counts of samples given factor 0 for non-finite gradients (one host read)."""
+        counts, self.step_nonfinite = self.step_nonfinite, []
+        if not counts:
+            return
+        n = int(torch.stack([c.to(counts[0].device) for c in counts]).sum())
+        if n:
+            self.nonfinite_samples += n
+            logger.warning("step %d: %d sample(s) with non-finite gradients got clipping factor 0 (%d so far)",
+                           self.step_number, n, self.nonfinite_samples)
 
     def _check_deferred(self) -> None:
         """The checks deferred from the backward passes of this step (on an accelerator, :mod:`fastdp.deferred`),
@@ -474,6 +492,7 @@ class Release:
         self.backward_seen = False
         self.step_samples = 0
         self.step_unclipped = 0
+        self.step_nonfinite = []
         self.clip_counter.discard()
         eng._capture.drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
         raise RuntimeError(

@@ -272,13 +272,20 @@ def test_deferred_nonfinite_check_passes_finite_steps_unchanged(deferred_nonfini
     assert engine.steps == 1 and engine._release.deferred_nonfinite == []
 
 
-def test_the_zero_policy_is_not_deferred(deferred_nonfinite_check):
-    """on_nonfinite="zero" needs the verdict in the backward pass itself (the sample's tensors are zeroed there)."""
+def test_the_zero_policy_counts_at_the_release(deferred_nonfinite_check):
+    """on_nonfinite="zero" on an accelerator refuses nothing: the bad sample is zeroed on the device (no verdict
+    to defer), and its count is read when the step is released; a refused step's count is dropped with it."""
     model, engine, opt = setup(on_nonfinite="zero")
     x, y = data(5, 1)
     x[2, 1] = float("nan")
     backward(model, x, y)
-    assert engine._release.deferred_nonfinite == [] and engine.nonfinite_samples == 1
+    assert engine._release.deferred_nonfinite == [] and engine.nonfinite_samples == 0
+    assert len(engine._release.step_nonfinite) == 1
+    opt.step()
+    assert engine.nonfinite_samples == 1 and engine._release.step_nonfinite == []
+    backward(model, x, y)
+    engine._release.discard()  # a refused step: its count goes with its sums
+    assert engine._release.step_nonfinite == [] and engine.nonfinite_samples == 1
 
 
 def test_step_after_failure_without_retry_is_refused_and_counts_nothing():
