@@ -3,7 +3,8 @@
 A loss scaler multiplies the loss by ``S`` before the backward pass, so every gradient the engine captures is ``S``
 times the loss's. :class:`ScalerLink` gives the engine what it needs to stay exact and private:
 
-* **Unscaled clipping.** The clipping stage reads ``S = scaler.get_scale()`` at the end of each backward pass
+* **Unscaled clipping.** The clipping stage takes ``S``, the scaler's scale (a tensor on the device, never read on
+  the host), at the end of each backward pass
   (:attr:`fastdp.clipped_sums.ClipConfig.loss_scale`): per-sample norms are ``||captured_i|| / S`` and the factors
   applied to the captured tensors are ``C_i / S``, so the clipped sum is ``sum_i C_i g_i`` of the *unscaled*
   gradients and the threshold is ``R`` whatever the scale. (Whatever ``S`` the engine reads, each sample's
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from fastdp.noise import secure_gaussian
+from fastdp.torch_api import grad_scaler_scale
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +80,11 @@ class ScalerLink:
 
         scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
-    def loss_scale(self) -> float:
-        """``S`` of the backward pass in progress (1 when the scaler is disabled)."""
-        return float(self.scaler.get_scale())
+    def loss_scale(self) -> torch.Tensor | float:
+        """``S`` of the backward pass in progress (1 when the scaler is disabled): a 0-dim tensor on the scaler's
+        device where it has one, so that the clipping stage need not read it on the host
+        (:func:`fastdp.torch_api.grad_scaler_scale`)."""
+        return grad_scaler_scale(self.scaler)
 
     def remove(self) -> None:
         """Give the scaler its own ``unscale_`` back."""

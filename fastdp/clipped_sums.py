@@ -49,7 +49,7 @@ class ClipConfig:
     on_nonfinite: str = "raise"  # "raise" or "zero" (clipping factor 0 for samples with non-finite gradients)
     #: the loss scale ``S`` of the backward pass (``torch.amp.GradScaler``, :mod:`fastdp.amp`), read at the end of
     #: each pass; ``None``: 1. The captured gradients are ``S`` times the loss's, so norms and factors divide by it.
-    loss_scale: Callable[[], float] | None = None
+    loss_scale: Callable[[], float | torch.Tensor] | None = None
     count_unclipped: bool = False  # count samples with ||g_i|| <= R_0 (adaptive clipping, fastdp.adaptive)
 
 
@@ -260,7 +260,8 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
     B = batch_size_of(records)
     scale = float(B) if cfg.mean_reduction else 1.0
     if cfg.loss_scale is not None:  # captured gradients are S times the loss's: C_i from ||g_i|| = ||captured_i|| / S
-        scale /= float(cfg.loss_scale())
+        S = cfg.loss_scale()  # a 0-dim tensor on the device (no host read), or a float
+        scale = scale / (S if isinstance(S, torch.Tensor) else float(S))
     mode = cfg.mode
 
     uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
@@ -285,7 +286,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         bad = ~torch.isfinite(total_sq)
         if cfg.on_nonfinite == "raise" and defers(total_sq.device):
             nonfinite_mask = bad  # no host synchronisation here: Release checks it before anything is released
-        elif cfg.on_nonfinite == "zero" and defers(total_sq.device):
+        elif cfg.on_nonfinite in ("zero", "scaler") and defers(total_sq.device):
             # no host synchronisation: whether or not a sample is bad, zero the bad samples' rows of what step 3
             # reads and give them norm 0, as the branch below does once it has seen one
             kept = _sanitize_pass(records, kept, bad)

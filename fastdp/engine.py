@@ -427,6 +427,7 @@ class PrivacyEngine:
             self._release.scaler = None
             self._release.released_early = False
             self._release.overflow_samples = 0
+            self._release.step_nonfinite = []
             self._configure_groups()  # the clipping configuration without the loss scale
         self._release.clip_counter.discard()
         if self.optimizer is not None:

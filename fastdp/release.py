@@ -75,8 +75,9 @@ class Release:
         self.deferred_checks: list[DeferredCheck] = []
         self.backward_seen = False  # a backward pass reached the hooks since the last step
         self.nonfinite_samples = 0  # samples given clipping factor 0 for non-finite gradients
-        #: this step's counts of such samples still on the device (on_nonfinite="zero" on an accelerator): added to
-        #: nonfinite_samples when the step is released, with one host read
+        #: this step's counts of such samples still on the device (on_nonfinite="zero" on an accelerator; with a
+        #: GradScaler, of overflowed samples): added to nonfinite_samples (overflow_samples) when the step is
+        #: released, with one host read
         self.step_nonfinite: list[torch.Tensor] = []
         self.step_unclipped = 0  # samples with ||g_i|| <= R_t this step (adaptive clipping, fastdp.adaptive)
         self.empty_step = False  # an `engine.empty_step()` is running
@@ -291,12 +292,15 @@ class Release:
                 "released; resume from a checkpoint (load_state_dict) or start a new engine.")
 
     def _count_nonfinite(self) -> None:
-        """Add this step's device-side counts of samples given factor 0 for non-finite gradients (one host read)."""
+        """Add this step's device-side counts of samples given factor 0 for non-finite gradients (one host read):
+        to the overflowed samples of the step when a GradScaler is attached, else to ``nonfinite_samples``."""
         counts, self.step_nonfinite = self.step_nonfinite, []
         if not counts:
             return
         n = int(torch.stack([c.to(counts[0].device) for c in counts]).sum())
-        if n:
+        if self.scaler is not None:
+            self.overflow_samples += n
+        elif n:
             self.nonfinite_samples += n
             logger.warning("step %d: %d sample(s) with non-finite gradients got clipping factor 0 (%d so far)",
                            self.step_number, n, self.nonfinite_samples)

@@ -119,6 +119,17 @@ def ieee_float32() -> Iterator[None]:
             t.fp32_precision = value
 
 
+def grad_scaler_scale(scaler: Any) -> torch.Tensor | float:
+    """A ``torch.amp.GradScaler``'s current scale ``S`` without a host read where it can be had: its scale tensor
+    (the private ``_scale``, a ``(1,)`` float32 tensor on the device once ``scale()`` has run) as a 0-dim float64
+    tensor; otherwise ``get_scale()`` (a Python float: 1 when the scaler is disabled, its initial scale before the
+    first ``scale()``), which on an accelerator reads the tensor on the host."""
+    scale = getattr(scaler, "_scale", None)
+    if scaler.is_enabled() and isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale.reshape(()).to(torch.float64)
+    return float(scaler.get_scale())
+
+
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     """Leaves and spec of a nested structure of tensors (``torch.utils._pytree``, private but stable since 2.0);
     it knows torch's own containers and Hugging Face ``ModelOutput`` s, which a hand-written walk would not."""

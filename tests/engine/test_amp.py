@@ -66,10 +66,20 @@ def setup(model, B, R, mode="BK-MixOpt", reduction="mean", sigma=0.0, init_scale
     return engine, opt, scaler
 
 
+@pytest.fixture(params=[False, True], ids=["host", "device"])
+def defer(request, monkeypatch):
+    """Both clipping paths of a scaled backward pass: the CPU's (overflowed samples found with a host read) and an
+    accelerator's (zeroed on the device without one, counted at the release; ``fastdp.deferred.DEFER_ON``)."""
+    import fastdp.deferred as deferred
+
+    monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": request.param, "default": request.param})
+    return request.param
+
+
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("sizes", [[4], [3, 1], [1], [0, 2], [7]])  # 7 = the hidden width
-def test_scaler_exact_against_unscaled_oracle(mode, reduction, sizes):
+def test_scaler_exact_against_unscaled_oracle(mode, reduction, sizes, defer):
     model = mlp()
     data = batches(sizes)
     B = max(1, sum(sizes))
@@ -115,7 +125,7 @@ def test_unscale_then_read_grad():
     assert engine.steps == engine.accountant.ledger.steps == 1
 
 
-def test_overflow_skips_step_accounted_and_leaves_nothing():
+def test_overflow_skips_step_accounted_and_leaves_nothing(defer):
     """An inf in one sample's scaled backward: sigma=0, so the scaler skips the step as without DP; the parameters are
     unchanged, the scale backs off, the step is accounted, and the next step releases only its own batch."""
     model = mlp()

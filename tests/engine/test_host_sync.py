@@ -220,3 +220,30 @@ def test_the_device_zero_policy_releases_what_the_host_one_does(name, mode, monk
         assert all(torch.isfinite(g).all() for g in grads[defer].values())
     for n in grads[False]:
         torch.testing.assert_close(grads[True][n], grads[False][n], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_a_grad_scaler_needs_no_host_read_in_the_backward_pass(poison, monkeypatch):
+    """With a GradScaler attached: the loss scale is taken as the scaler's tensor and an overflowed sample is zeroed
+    on the device, so the scaled backward pass reads nothing on the host; the overflow count is read when
+    ``scaler.step`` releases (sigma 0: one overflowed sample skips the step, as without DP)."""
+    monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": True, "default": True})
+    model, loss, data = build("mlp")
+    engine = make_engine(model, batch_size=5, R=0.5, sigma=0.0, verify_structure=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    engine.attach(opt, scaler=scaler)
+    for step in range(2):
+        for i, ((x,), y) in enumerate(data):
+            if poison and step == 1 and i == 0:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            lo = scaler.scale(loss(model(x), y).mean())
+            with fastdp_host_reads() as hits:
+                lo.backward()
+            assert not hits, hits
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert engine.steps == 2
+    assert engine._release.scaler.skipped_steps == (1 if poison else 0)
