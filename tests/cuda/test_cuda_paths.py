@@ -315,6 +315,56 @@ def test_the_backward_pass_does_not_synchronise_with_the_host(name, mode):
         opt.zero_grad()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation exists only on CUDA")
+@pytest.mark.parametrize("poison", [False, True])
+@pytest.mark.parametrize("how", ["zero", "scaler"])
+def test_the_zero_policy_and_a_grad_scaler_do_not_synchronise(how, poison):
+    """``on_nonfinite="zero"`` and a ``GradScaler`` (since 2026-11-26): no synchronising operation inside
+    ``loss.backward()`` after the first step, also in a pass with a sample whose gradient is non-finite (zeroed on
+    the device, counted when the step is released)."""
+    model, loss, data = family("mlp", torch.float32)
+    m = model.to(DEVICE)
+    B = sum(x[0].shape[0] for x, _ in data)
+    engine = make_engine(m, batch_size=B, R=1.0, sigma=0.0, **({"on_nonfinite": "zero"} if how == "zero" else {}))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8) if how == "scaler" else None
+    engine.attach(opt, **({"scaler": scaler} if scaler is not None else {}))
+    data = [(to(x, DEVICE), to(y, DEVICE)) for x, y in data]
+    for step in range(3):
+        for i, (x, y) in enumerate(data):
+            if poison and step == 2 and i == 0:
+                x = (x[0].clone(),)
+                x[0][0].view(-1)[0] = float("inf")
+            lo = loss(m(*x), y).mean()
+            if scaler is not None:
+                lo = scaler.scale(lo)
+            if step == 0:
+                lo.backward()
+                continue
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    lo.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught
+                     if "synchronizing CUDA operation" in str(w.message)]
+            assert not syncs, "\n".join(syncs)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert engine.steps == 3
+    if how == "zero":
+        assert engine.nonfinite_samples == (1 if poison else 0)
+    else:
+        assert engine._release.scaler.skipped_steps == (1 if poison else 0)
+
+
 def test_a_nonfinite_sample_on_the_device_refuses_the_step(monkeypatch):
     """On CUDA the on_nonfinite="raise" check is deferred to the step's release (no host synchronisation in the
     backward pass): the backward pass completes, ``optimizer.step()`` raises naming the pass and the sample, nothing
