@@ -277,6 +277,22 @@ def test_noise_is_drawn_on_the_device_with_the_right_scale(secure):
     assert not torch.equal(released[0], released[1])  # fresh noise each step
 
 
+def _backward_without_sync(lo: torch.Tensor) -> None:
+    """``lo.backward()`` under ``torch.cuda.set_sync_debug_mode("warn")``; fails naming every synchronising operation
+    (``.item()``, ``nonzero``, a device-to-host copy) it ran."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            lo.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught
+             if "synchronizing CUDA operation" in str(w.message)]  # (not torch's "prototype" notice)
+    assert not syncs, "\n".join(syncs)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation exists only on CUDA")
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate", "bitfit"])
 @pytest.mark.parametrize("name", ["mlp", "generic", "conv", "gpt2"])
@@ -300,17 +316,7 @@ def test_the_backward_pass_does_not_synchronise_with_the_host(name, mode):
             if step == 0:
                 lo.backward()
                 continue
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    lo.backward()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught
-                     if "synchronizing CUDA operation" in str(w.message)]  # (not torch's "prototype" notice)
-            assert not syncs, "\n".join(syncs)
+            _backward_without_sync(lo)
         opt.step()
         opt.zero_grad()
 
@@ -341,17 +347,7 @@ def test_the_zero_policy_and_a_grad_scaler_do_not_synchronise(how, poison):
             if step == 0:
                 lo.backward()
                 continue
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    lo.backward()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught
-                     if "synchronizing CUDA operation" in str(w.message)]
-            assert not syncs, "\n".join(syncs)
+            _backward_without_sync(lo)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
