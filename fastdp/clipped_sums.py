@@ -151,12 +151,18 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
             rec.ctx = None
 
 
+def _zero_rows(t: Any, bad: torch.Tensor) -> Any:
+    """``t`` with the sample rows flagged ``bad`` (``(B,)`` bool) set to 0, by ``torch.where`` (no host read; a new
+    tensor, ``t`` is never changed); anything that is not a floating tensor with ``B`` rows is returned as is."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != len(bad):
+        return t
+    return torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype), t)
+
+
 def _sanitize(rec: Record, bad: torch.Tensor) -> None:
     """Zero sample rows flagged ``bad`` in a record (its captured tensors, or a generic kind's gradients)."""
     def zero_rows(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != len(bad):
-            return t
-        return torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype), t)
+        return _zero_rows(t, bad)
 
     if not rec.kind.replayable:  # generic: its context holds the per-sample gradients
         rec.ctx = {n: zero_rows(g) for n, g in rec.ctx.items()}
@@ -167,35 +173,6 @@ def _sanitize(rec: Record, bad: torch.Tensor) -> None:
     rec.grads = [zero_rows(g) for g in rec.grads]
     rec.activation = zero_rows(rec.activation)
     rec.ctx = None
-
-
-def _sanitize_pass(records: list[Record], kept: dict[nn.Parameter, torch.Tensor], bad: torch.Tensor
-                   ) -> dict[nn.Parameter, torch.Tensor]:
-    """:func:`_sanitize` for a pass whose bad samples are not known on the host (``bad``: ``(B,)`` bool on the
-    device): every record's kept tensors and every kept per-sample gradient get the rows of ``bad`` zeroed by one
-    ``torch.where`` each (a tensor that several records keep, such as the input ``q``, ``k``, ``v`` share, is
-    zeroed once), and the records' contexts are prepared again from them. Returns the sanitized ``kept``."""
-    done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def zero_rows(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != len(bad):
-            return t
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-        hit = done.get(key)
-        if hit is None or t.numel() == 0:
-            hit = done[key] = (t, torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype), t))
-        return hit[1]
-
-    for rec in records:
-        if not rec.kind.replayable:  # generic: its per-sample gradients are in `kept`
-            continue
-        if rec.psg is not None:
-            rec.psg = {n: zero_rows(g) for n, g in rec.psg.items()}
-            continue
-        rec.grads = [zero_rows(g) for g in rec.grads]
-        rec.activation = zero_rows(rec.activation)
-        rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
-    return {p: zero_rows(g) for p, g in kept.items()}
 
 
 def _kept_bytes(rec: Record) -> int:
@@ -281,15 +258,17 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         group_sq[k] = group_sq[k] + sq if k in group_sq else sq
     nonfinite_mask: torch.Tensor | None = None  # the non-finite samples, checked when the step is released
     nonfinite_count: int | torch.Tensor = 0  # samples given factor 0 (a device tensor when not read here)
+    zero: torch.Tensor | None = None  # samples whose rows step 3 zeroes (on_nonfinite "zero" on an accelerator)
     if group_sq:
         total_sq = sum(group_sq.values())
         bad = ~torch.isfinite(total_sq)
         if cfg.on_nonfinite == "raise" and defers(total_sq.device):
             nonfinite_mask = bad  # no host synchronisation here: Release checks it before anything is released
         elif cfg.on_nonfinite in ("zero", "scaler") and defers(total_sq.device):
-            # no host synchronisation: whether or not a sample is bad, zero the bad samples' rows of what step 3
-            # reads and give them norm 0, as the branch below does once it has seen one
-            kept = _sanitize_pass(records, kept, bad)
+            # no host synchronisation: whether or not a sample is bad, give the flagged samples norm 0 and let
+            # step 3 zero their rows of each record just before it is summed (one record's copy at a time), as
+            # the branch below does for the whole pass once it has seen one
+            zero = bad
             group_sq = {k: torch.where(bad, torch.zeros((), dtype=sq.dtype), sq) for k, sq in group_sq.items()}
             nonfinite_count = bad.sum()
         elif bool(bad.any()):
@@ -327,18 +306,30 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         for rec, _ in plist:
             uses_left[rec] = uses_left.get(rec, 0) + 1
     order = list(uses) if stream is not None else sorted(uses, key=lambda q: _net_bytes(q, uses[q]))
+    zeroed: set[Record] = set()
+
+    def ready(rec: Record) -> None:  # the flagged rows of a record zeroed before its first sum (once)
+        if zero is not None and rec not in zeroed:
+            zeroed.add(rec)
+            _sanitize(rec, zero)
+            if rec.kind.replayable and rec.psg is None:
+                rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+
     with reused_scratch():
         for param in order:
             plist = uses[param]
             coef = coefs[cfg.group_of[param]]
             if param in kept:
-                out[param] = _weighted_sum(coef, kept.pop(param))
+                psg = kept.pop(param)
+                out[param] = _weighted_sum(coef, psg if zero is None else _zero_rows(psg, zero))
+                del psg
             elif mode.sums == "replay":
                 for rec, name in plist:
                     replay.setdefault(rec, []).append(name)
                 continue
             else:  # book-keeping: one contraction per use, summed over uses
                 for rec, name in plist:
+                    ready(rec)
                     _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, coef))
             for rec, _ in plist:
                 uses_left[rec] -= 1
@@ -347,6 +338,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             if stream is not None and stream.take(param, out[param].to(accumulation_dtype(out[param].dtype))):
                 del out[param]
     for rec, names in replay.items():
+        ready(rec)
         by_group: dict[int, list[str]] = {}
         for n in names:
             by_group.setdefault(cfg.group_of[param_of[(id(rec.module), n)]], []).append(n)
