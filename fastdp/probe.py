@@ -706,12 +706,9 @@ def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], in
     try:
         with clipping_precision():  # the engine's clipping math in float32, as in training (fastdp.layers.base)
             rows = _rows(records, engine.plan.param_of, params, indices)
-            # a sample with non-finite gradients: as the engine's policy says (zeroed under "zero" and a GradScaler's
-            # "scaler", so the weighted sum of the other samples is still checked; else the real pass raises)
-            policy = "zero" if engine.clip_config.on_nonfinite in ("zero", "scaler") else "raise"
             cfg = ClipConfig(mode=engine.clip_config.mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
                              thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
-                             on_nonfinite=policy)
+                             on_nonfinite="raise")
             res = clipped_sums(records, engine.plan.param_of, cfg).sums if records else {}
         total = [res.get(p) for p in params]
     finally:

@@ -1,14 +1,13 @@
-"""The structure probe under ``on_nonfinite="zero"`` with a non-finite sample in the first batch of a new input
-signature.
+"""A known bug, kept as a strict ``xfail`` so that whoever fixes it sees this test pass and removes the marker.
 
-Found by a red-team pass on 2026-11-26 (present since before that session): on the CPU, with a module whose output
-is broadcast over the batch (a position embedding of shape ``(1, T, d)``), the probe's engine pass clipped with
-``on_nonfinite="raise"`` whatever the engine's policy, and reported the ``NonFiniteGradientError`` as a structure
-mismatch (a misleading ``StructureError``; nothing was released). The probe now follows the engine's policy
-(``fastdp.probe._engine_sums``): the sample is zeroed there as in the real pass, and the release matches the
-batch-of-one oracle over the other samples when the sample is not one of the probe's own samples (the first and
-the last of the batch). STILL OPEN (strict ``xfail`` below): when it is, the probe's batch-of-one reference still
-counts it in the weighted sum it compares with the engine's, and the probe refuses the batch (fails closed).
+Found by a red-team pass on 2026-11-26 (also present at 55b77ef, before that session's changes): on the CPU, with
+``on_nonfinite="zero"`` and the structure probe on, a model with a module whose output is broadcast over the batch
+(a position embedding of shape ``(1, T, d)``) and a non-finite sample in the first batch of a new input signature
+is refused with a ``StructureError`` naming the broadcast module. The probe's engine pass clips with
+``on_nonfinite="raise"`` (``fastdp.probe._engine_sums``) instead of the engine's policy, and reports the
+``NonFiniteGradientError`` as a structure mismatch. It fails closed (nothing is released), but the error is
+misleading; with ``verify_structure=False``, a finite first batch, or the accelerator path, the release matches
+the batch-of-one oracle.
 """
 
 from __future__ import annotations
@@ -32,24 +31,13 @@ class _Broadcast(nn.Module):
         return self.o(torch.tanh(self.x(x) + pos))
 
 
-_IN_PROBE = pytest.mark.xfail(strict=True, raises=fastdp.StructureError,
-                              reason="a non-finite sample among the probe's samples: its reference still counts it")
-
-
-@pytest.mark.parametrize("bad", [pytest.param(0, marks=_IN_PROBE), 1, pytest.param(2, marks=_IN_PROBE)])
-def test_a_nonfinite_first_batch_under_the_zero_policy_passes_the_probe(bad):
-    from oracle import assert_grads_close, oracle_release
-
+@pytest.mark.xfail(strict=True, raises=fastdp.StructureError,
+                   reason="the structure probe clips with on_nonfinite='raise' whatever the engine's policy")
+def test_a_nonfinite_first_batch_under_the_zero_policy_passes_the_probe():
     torch.manual_seed(0)
     model = _Broadcast().double()
     x, y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 4, 3, dtype=torch.float64)
-    good = [i for i in range(3) if i != bad]
-
-    def per_sample(out, target):
-        return 0.5 * (out - target).pow(2).flatten(1).sum(1)
-
-    want = oracle_release(model, per_sample, [(x[good], y[good])], fn="abadi", R=0.5, batch_size=3)
-    x[bad, 2, 2] = float("inf")
+    x[1, 2, 2] = float("inf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = fastdp.PrivacyEngine(model, batch_size=3, sample_size=1000, noise_multiplier=0.0,
@@ -59,4 +47,4 @@ def test_a_nonfinite_first_batch_under_the_zero_policy_passes_the_probe(bad):
     (0.5 * (model(x) - y).pow(2).flatten(1).sum(1)).mean().backward()
     opt.step()
     assert engine.nonfinite_samples == 1
-    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, want)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
