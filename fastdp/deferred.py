@@ -95,4 +95,12 @@ def step_failure(nonfinite: list[tuple[int, torch.Tensor]], checks: list[Deferre
     return None
 
 
-__all__ = ["DEFER_ON", "DeferredCheck", "check", "collecting", "defers", "step_failure"]
+def total_count(counts: list[torch.Tensor]) -> int:
+    """The sum of a step's counts kept on the device (0-dim integer tensors: samples zeroed for non-finite
+    gradients under ``on_nonfinite="zero"`` or a GradScaler's overflow), read with one host read; 0 for none."""
+    if not counts:
+        return 0
+    return int(torch.stack([c.to(counts[0].device) for c in counts]).sum())
+
+
+__all__ = ["DEFER_ON", "DeferredCheck", "check", "collecting", "defers", "step_failure", "total_count"]

@@ -294,10 +294,8 @@ class Release:
     def _count_nonfinite(self) -> None:
         """Add this step's device-side counts of samples given factor 0 for non-finite gradients (one host read):
         to the overflowed samples of the step when a GradScaler is attached, else to ``nonfinite_samples``."""
-        counts, self.step_nonfinite = self.step_nonfinite, []
-        if not counts:
-            return
-        n = int(torch.stack([c.to(counts[0].device) for c in counts]).sum())
+        n = deferred.total_count(self.step_nonfinite)
+        self.step_nonfinite = []
         if self.scaler is not None:
             self.overflow_samples += n
         elif n:
