@@ -96,7 +96,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdp.clipped_sums import ClipConfig, clipped_sums
+from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import generic, layout
 from fastdp.layers.base import autocast_state, clipping_precision
 from fastdp.layers.generic import GENERIC
@@ -315,7 +315,14 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             broadcast = bool(engine._capture.probe.broadcast)
             engine_failed = bool(engine._capture.probe.outside)  # the real pass raises the outside use itself
             suspects = _labels(model, engine._capture.probe.broadcast)
-            if findings and broadcast:
+            if findings and _nonfinite_data(engine, findings):
+                # the engine's pass refused a sample with non-finite gradients, which the engine's policy zeroes in
+                # the real pass: nothing about the structure can be read from this batch; probed at the next call
+                logger.info("structure probe postponed: a sample of this batch has non-finite gradients "
+                            "(on_nonfinite=%r); the signature is probed again at its next call",
+                            engine.clip_config.on_nonfinite)
+                findings = None
+            elif findings and broadcast:
                 fell_back = _fallback(engine, model, args, kwargs, B)
                 if fell_back:
                     findings = []
@@ -510,6 +517,15 @@ def _sub_batches(records: list[Any], B: int) -> list[tuple[nn.Module, int]]:
         if n is not None and 1 < n < B:
             out.append((rec.module, n))
     return out
+
+
+def _nonfinite_data(engine: Any, findings: list[Finding]) -> bool:
+    """Whether every finding is the engine's pass refusing a sample with non-finite gradients while the engine's
+    policy gives such samples factor 0 (``on_nonfinite="zero"``, or a GradScaler's overflow): a fact about this
+    batch's data, not about the model's structure."""
+    return (engine.clip_config.on_nonfinite in ("zero", "scaler")
+            and all(f.check == _ENGINE_FAILED and f.detail.startswith(f"{NonFiniteGradientError.__name__}:")
+                    for f in findings))
 
 
 def _engine_failed(e: BaseException) -> Finding:
