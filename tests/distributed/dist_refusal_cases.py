@@ -195,3 +195,35 @@ def run_local_release(ctx: Any, spec: Spec, R: float, enforce: bool, release_sig
     res["steps"] = engine.steps
     res["epsilon"] = engine.get_privacy_spent()["epsilon"]
     return res
+
+
+def run_zero_policy_paths(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
+    """``on_nonfinite="zero"`` with a NaN sample on rank 1, on both clipping paths of every rank: the CPU's (the
+    bad sample found with a host read) and an accelerator's (zeroed on the device, counted at the release;
+    ``fastdp.deferred.DEFER_ON``). Returns, per path, the released gradients and this rank's count."""
+    out: dict[str, Any] = {}
+    saved_defer = deferred.DEFER_ON
+    try:
+        for defer in (False, True):
+            deferred.DEFER_ON = {"cpu": defer, "default": defer}
+            model = build(spec.model, spec.seed)
+            engine, opt, names = engine_and_opt(model, spec, R, on_nonfinite="zero")
+            mine = shard_batches(spec)[ctx.rank]
+            hook = None
+            if ctx.rank == 1:  # NaN in the output of every sample whose first token is that of this rank's first
+                # sample (a function of the sample's own data, as the structure probe requires)
+                token = mine[0][0][0][0, 0]
+
+                def poison(module, args, y, token=token):
+                    hit = (args[0][:, 0] == token).view(-1, *([1] * (y.dim() - 1)))
+                    return y + torch.where(hit, float("nan"), 0.0).to(y.dtype)
+                hook = model.register_forward_hook(poison)
+            run_shard(model, spec, mine)
+            if hook is not None:
+                hook.remove()
+            opt.step()
+            out["device" if defer else "host"] = {"grads": released_grads(model, names),
+                                                  "nonfinite": engine.nonfinite_samples}
+    finally:
+        deferred.DEFER_ON = saved_defer
+    return out

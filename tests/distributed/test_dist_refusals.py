@@ -36,6 +36,7 @@ from dist_refusal_cases import (
     run_never_step,
     run_refused_step,
     run_state,
+    run_zero_policy_paths,
 )
 from dist_specs import LOSSES, Spec, build, oracle_for, shard_batches
 from harness import Case, register, shared_world
@@ -51,6 +52,7 @@ SCENARIOS = {"skip_backward": ("skip_backward", 1, ("backward",)),
              "sigma": ("sigma", 1, ("noise multiplier",)),
              "nonfinite_deferred": ("nonfinite_deferred", 1, ("NaN", "backward pass 1"))}
 FLAGS = Spec("mixed", ((3,), (2,)), seed=81)
+ZERO = Spec("mixed", ((3,), (2,)), seed=84)
 FLAGS_R = 0.05
 NEVER = Spec("mixed", ((2,), (2,)), seed=82)
 LOCAL = Spec("mixed", ((2,), (1,)), seed=83, batch_size=4)
@@ -71,6 +73,7 @@ for _s in SCENARIOS:
 for _s in ("frozen", "max_grad_norm", "ddp", "frozen-many"):
     register(2, f"construct-{_s}", lambda _s=_s: (Case(f"construct-{_s}", run_construct, {
         "kind": "many" if _s == "frozen-many" else "mixed", "scenario": _s.replace("-many", "")}), None))
+register(2, "zero-policy", lambda: (Case("zero-policy", run_zero_policy_paths, {"spec": ZERO, "R": 0.5}), None))
 register(2, "flags", lambda: (Case("flags", run_distributed_flags, {"spec": FLAGS, "R": FLAGS_R}), None))
 register(2, "state", lambda: (Case("state", run_state, {"spec": FLAGS, "R": 1.0}), None))
 register(2, "never-step", lambda: (Case("never-step", run_never_step,
@@ -207,3 +210,17 @@ def test_release_recorded_on_one_rank_only(kind):
     else:
         eps = [v["epsilon"] for v in vals]
         assert all(e == eps[0] for e in eps), f"get_privacy_spent() differs between ranks: {detail}"
+
+
+def test_zero_policy_releases_the_same_on_both_paths_across_ranks():
+    """A NaN sample on rank 1 under on_nonfinite="zero": the accelerator path (no host read in the backward pass,
+    the count read at the release) releases on every rank what the CPU path releases (which the one-process oracle
+    suites check), finite, with the samples counted on rank 1 only."""
+    vals = shared_world(2).values("zero-policy")
+    for r, v in enumerate(vals):
+        assert v["host"]["nonfinite"] == v["device"]["nonfinite"]
+        assert (v["device"]["nonfinite"] >= 1) if r == 1 else (v["device"]["nonfinite"] == 0)
+        for n, g in v["device"]["grads"].items():
+            assert torch.isfinite(g).all(), (r, n)
+        assert_grads_close(v["device"]["grads"], v["host"]["grads"], rtol=1e-10, atol=1e-14, msg=f"rank {r}")
+    assert_bit_identical([v["device"]["grads"] for v in vals], "zero policy, device path")
