@@ -418,16 +418,11 @@ class PrivacyEngine:
             h.remove()
         self._handles.clear()
         self._capture.clear()
-        self._release.summed.clear()
-        self._release.backward_seen = False
-        self._release.step_samples = 0
-        self._release.step_unclipped = 0
+        self._release.clear_step()
         if self._release.scaler is not None:
             self._release.scaler.remove()
             self._release.scaler = None
             self._release.released_early = False
-            self._release.overflow_samples = 0
-            self._release.step_nonfinite = []
             self._configure_groups()  # the clipping configuration without the loss scale
         self._release.clip_counter.discard()
         if self.optimizer is not None:

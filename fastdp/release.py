@@ -137,10 +137,10 @@ class Release:
     def holds_gradients(self) -> bool:
         return bool(self.summed) or self.backward_seen
 
-    def discard(self) -> None:
-        """Drop the accumulated gradients of the step being refused (nothing is released)."""
+    def clear_step(self) -> None:
+        """Forget the logical step in progress: its sums, counts and deferred verdicts (after a release, a refusal or
+        a detach)."""
         self.summed.clear()
-        self.engine._capture.pending.clear()
         self.backward_seen = False
         self.step_samples = 0
         self.step_passes = 0
@@ -149,6 +149,11 @@ class Release:
         self.step_nonfinite = []
         self.overflow_samples = 0
         self.step_unclipped = 0
+
+    def discard(self) -> None:
+        """Drop the accumulated gradients of the step being refused (nothing is released)."""
+        self.engine._capture.pending.clear()
+        self.clear_step()
         self.clip_counter.discard()
 
     def grad_std(self) -> float:
@@ -235,13 +240,7 @@ class Release:
         if eng._adaptive is not None:
             self._adapt(noisy_count)
         self.clip_counter.end_step()
-        self.step_samples = 0
-        self.step_passes = 0
-        self.deferred_nonfinite = []
-        self.deferred_checks = []
-        self.step_unclipped = 0
-        self.backward_seen = False
-        self.overflow_samples = 0
+        self.clear_step()
 
     def _scaler_pre_step(self) -> bool:
         """With a GradScaler (:mod:`fastdp.amp`): whether ``scaler.unscale_`` already released this step (then the
@@ -490,11 +489,7 @@ class Release:
         if not (self.holds_gradients() or fids):
             return
         n_samples = self.step_samples
-        self.summed.clear()
-        self.backward_seen = False
-        self.step_samples = 0
-        self.step_unclipped = 0
-        self.step_nonfinite = []
+        self.clear_step()
         self.clip_counter.discard()
         eng._capture.drop_forwards(fids, f"another optimizer ({type(optimizer).__name__}) stepped")
         raise RuntimeError(
