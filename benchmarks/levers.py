@@ -43,6 +43,17 @@ Levers:
   clipped sum, per-sample gradients), and its per-sample gradients at ``T >= 256`` by one grouped convolution over
   the batch (``fastdp.layers.kinds.conv.ConvCall``); before: the whole batch's patches unfolded once and kept for
   every operation.
+* ``conv-sum-kernel``: a convolution's book-keeping clipped sum by torch's weight-gradient kernel with the smaller
+  operand scaled per sample, or over patches, whichever was faster when timed once per call shape
+  (``fastdp.layers.kinds.conv.CLIPPED_SUM = "measure"``); before: always one contraction over patches unfolded a
+  few samples at a time (``"patches"``).
+* ``conv-sum-measure``: the same against always the kernel (``"kernel"``).
+* ``conv-pixel-grams``: a convolution's ghost norm with the input Gram from the Gram of the padded input's pixels
+  and ``prod(k)`` gathers (``fastdp.layers.kinds.conv.ConvCall.input_gram``) where that takes fewer products;
+  before: from patches.
+* ``conv-kept-rule``: the default mode instantiates a convolution's per-sample gradients only where they are no
+  larger than what book-keeping keeps of the call, its unpadded input and output gradient
+  (``ConvKind.instantiation_fits``); before: ``p d <= T (p + d)``, which counted the ``T x d`` patches as kept.
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ import fastdp.layers._matmul
 import fastdp.noise
 from fastdp.layers import _matmul
 from fastdp.layers.base import to_accumulation
+from fastdp.layers.kinds import conv as conv_kind
 from fastdp.layers.kinds.conv import ConvKind, unfold_patches
 
 
@@ -147,6 +159,26 @@ def _shared_input_fits_before() -> contextlib.AbstractContextManager:
                       lambda A, G, readers=1: _instantiation_fits_now(A, G))])
 
 
+def _conv_sum_kernel_before() -> contextlib.AbstractContextManager:
+    return _patched([(conv_kind, "CLIPPED_SUM", "patches")])
+
+
+def _conv_sum_measure_before() -> contextlib.AbstractContextManager:
+    return _patched([(conv_kind, "CLIPPED_SUM", "kernel")])
+
+
+def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
+    return _patched([(conv_kind, "PIXEL_GRAMS", False)])
+
+
+def _conv_fits_before(self: ConvKind, module: torch.nn.Module, ctx: object, name: str, readers: int = 1) -> bool:
+    return name == "bias" or ctx.p * ctx.d <= ctx.T * (ctx.p + ctx.d)
+
+
+def _conv_kept_rule_before() -> contextlib.AbstractContextManager:
+    return _patched([(ConvKind, "instantiation_fits", _conv_fits_before)])
+
+
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "fused-norms": _fused_norms_before,
     "shared-gram": _shared_gram_before,
@@ -156,6 +188,10 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "drop-as-summed": _drop_as_summed_before,
     "sum-order": _sum_order_before,
     "shared-input-fits": _shared_input_fits_before,
+    "conv-sum-kernel": _conv_sum_kernel_before,
+    "conv-sum-measure": _conv_sum_measure_before,
+    "conv-pixel-grams": _conv_pixel_grams_before,
+    "conv-kept-rule": _conv_kept_rule_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))

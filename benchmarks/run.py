@@ -136,7 +136,7 @@ def max_batch(args: argparse.Namespace, w: zoo.Workload, method: str, cap: int) 
 
 def summarize(rows: dict[str, dict], base: str) -> None:
     """Add medians and ratios to the base method (in place): ``median_s``, ``time_ratio``, ``cpu_time_ratio``,
-    ``memory_ratio``, ``probe_median_s``."""
+    ``memory_ratio``, ``live_ratio``, ``flop_ratio`` (matrix-product FLOPs), ``probe_median_s``."""
     b = rows.get(base, {})
     base_t = statistics.median(b["times_s"]) if b.get("times_s") else None
     base_c = statistics.median(b["cpu_times_s"]) if b.get("cpu_times_s") else None
@@ -153,6 +153,8 @@ def summarize(rows: dict[str, dict], base: str) -> None:
             r["memory_ratio"] = r["memory_mb"] / base_m
         if r.get("live_mb") is not None and b.get("live_mb"):
             r["live_ratio"] = r["live_mb"] / b["live_mb"]
+        if r.get("flops") is not None and b.get("flops"):
+            r["flop_ratio"] = r["flops"] / b["flops"]
         probes = [p for p in r.get("probe_s", []) if p is not None]
         if probes:
             r["probe_median_s"] = statistics.median(probes)

@@ -71,6 +71,11 @@ def header(results: dict) -> str:
     if kind == "steps":
         text += (f" Time: {cfg['reps']} alternating rounds after {cfg['warmup']} warm-up steps, median step time "
                  "and its ratio to non-private training in the same process.")
+        if any("flops" in r for wl in results["workloads"] for r in wl["methods"].values()):
+            text += (" FLOPs: the matrix products (matmuls, convolutions, attention; 2 per multiply-add) one more "
+                     "step executes, counted by torch.utils.flop_counter from the shapes each operator ran at: the "
+                     "arithmetic a method adds or saves, not its element-wise work (norm reductions, scaling, "
+                     "noise).")
         if any("memory_mb" in r for wl in results["workloads"] for r in wl["methods"].values()):
             warm = (f" after {cfg['mem_warmup']} unmeasured step" if cfg.get("mem_warmup") else
                     " from the first step (before the structure probe existed)")
@@ -155,7 +160,9 @@ def render_steps(results: dict, targets: bool = False) -> str:
     has_mem = any("memory_mb" in r for r in rows_all)
     has_live = any("live_mb" in r for r in rows_all)
     has_max = any("max_batch" in r for r in rows_all)
+    has_flops = any("flop_ratio" in r for r in rows_all)
     cols = ["method", "median step (ms)", "time ratio", "CPU-time ratio"]
+    cols += ["matrix-product FLOPs (G)", "FLOP ratio"] if has_flops else []
     cols += ["peak memory growth (MB)", "memory ratio"] if has_mem else []
     cols += ["peak live-tensor growth (MB)", "live ratio"] if has_live else []
     cols += ["largest batch"] if has_max else []
@@ -169,6 +176,8 @@ def render_steps(results: dict, targets: bool = False) -> str:
                 lines.append(f"| {m} | {label}: {why} |" + " |" * (len(cols) - 2))
                 continue
             cells = [m, _ms(r), _ratio(r), _ratio(r, "cpu_time_ratio")]
+            if has_flops:
+                cells += [_fmt(r["flops"] / 1e9 if r.get("flops") else None, ".1f"), _ratio(r, "flop_ratio")]
             if has_mem:
                 cells += [_fmt(r.get("memory_mb"), ".0f"), _ratio(r, "memory_ratio")]
             if has_live:
@@ -312,8 +321,8 @@ def render(results: dict, view: str | None = None) -> str:
 def write_csv(results: dict, path: Path) -> None:
     """One row per workload and method."""
     fields = ["tag", "model", "size", "tokens", "batch", "elements", "method", "median_ms", "time_ratio",
-              "cpu_time_ratio", "memory_mb", "memory_ratio", "live_mb", "live_ratio", "max_batch", "probe_median_s",
-              "status"]
+              "cpu_time_ratio", "memory_mb", "memory_ratio", "live_mb", "live_ratio", "flops", "flop_ratio",
+              "max_batch", "probe_median_s", "status"]
     with open(path, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=fields)
         wr.writeheader()
@@ -328,6 +337,7 @@ def write_csv(results: dict, path: Path) -> None:
                              "time_ratio": r.get("time_ratio"), "cpu_time_ratio": r.get("cpu_time_ratio"),
                              "memory_mb": r.get("memory_mb"), "memory_ratio": r.get("memory_ratio"),
                              "live_mb": r.get("live_mb"), "live_ratio": r.get("live_ratio"),
+                             "flops": r.get("flops"), "flop_ratio": r.get("flop_ratio"),
                              "max_batch": r.get("max_batch"), "probe_median_s": r.get("probe_median_s"),
                              "status": status})
 

@@ -2,7 +2,8 @@
 per workload for timings and per method for memory).
 
 * ``worker_time``: every method takes one step per round, in an order that rotates each round, after warm-up steps;
-  wall and process CPU time per step.
+  wall and process CPU time per step; then one more step each under ``torch.utils.flop_counter`` for the
+  matrix-product FLOPs it executes (``matmul_flops``).
 * ``worker_runs``: every method does whole runs of ``steps`` steps with a freshly built model and engine, rounds
   alternating; one-off costs of the first steps (the structure probe) are inside the timing.
 * ``worker_memory``: peak memory growth over a few steps of one method after one unmeasured step (peak RSS on
@@ -94,7 +95,53 @@ def worker_time(w: zoo.Workload, methods: list[str], device: torch.device, reps:
             cpu_times[m].append(time.process_time() - c0)
     for m, ts in times.items():
         out[m] = {"times_s": ts, "cpu_times_s": cpu_times[m]}
+        try:  # after the timing rounds: the counter's own cost is in no timed step
+            out[m]["flops"] = matmul_flops(steps[m], data)
+        except Exception as e:  # noqa: BLE001 - an optional second measurement: say why it is missing
+            out[m]["flops_note"] = failure(e)
     return out
+
+
+def _flop_formulas() -> dict:
+    """Formulas that replace or extend torch's counter (``torch.utils.flop_counter``):
+
+    * the CPU kernels of ``F.scaled_dot_product_attention``, which it lacks (it counts the CUDA kernels): the
+      formulas of their CUDA counterparts, so attention is counted on both devices;
+    * ``convolution_backward``: its weight-gradient term ignores ``groups`` (it counts a convolution of ``g``
+      groups as ``g`` times its work: 64 times for the grouped convolution that forms per-sample gradients of a
+      batch of 64, :meth:`fastdp.layers.kinds.conv.ConvCall.grouped_weight_grads`). Each gradient asked for is one
+      forward convolution's work, which its forward formula counts correctly.
+    """
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+
+    def conv_backward(grad_out, x, w, _bias, _stride, _padding, _dilation, transposed, _out_pad, _groups, mask,
+                      out_shape=None, **kw) -> int:
+        return fc.conv_flop_count(x, w, grad_out, transposed) * (int(mask[0]) + int(mask[1]))
+
+    out = {aten.convolution_backward: conv_backward}
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None:
+        out[fwd] = lambda q, k, v, *args, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
+    if bwd is not None:
+        out[bwd] = lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v)
+    return out
+
+
+def matmul_flops(step: Callable[[tuple[torch.Tensor, torch.Tensor]], None],
+                 data: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """The floating-point operations of the matrix products one step executes (``mm``, ``addmm``, ``bmm``,
+    ``baddbmm``, convolutions and attention, forward and backward, counted by ``torch.utils.flop_counter`` from
+    the shapes each operator ran at; 2 per multiply-add). The arithmetic a method adds or saves: fastdp's Gram
+    products and per-sample gradients count, its element-wise work (norm reductions, scaling, noise) does not.
+    One extra step of the method."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping=_flop_formulas()) as counter:
+        step(data)
+    return int(counter.get_total_flops())
 
 
 def worker_runs(w: zoo.Workload, methods: list[str], device: torch.device, reps: int, steps: int) -> dict:

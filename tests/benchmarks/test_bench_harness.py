@@ -273,12 +273,14 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.clipped_sums
     import fastdp.layers._matmul
     import fastdp.noise
+    from fastdp.layers.kinds import conv as conv_kind
     from fastdp.layers.kinds.conv import ConvKind
 
     def current():
         return (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
                 ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept,
-                fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits)
+                fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
+                conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -287,7 +289,9 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     saved = json.loads((tmp_path / "l.json").read_text())["times_s"]["tinycls-tiny-T16-B2"]
     assert set(saved) == {"non-private", "after", "fused-norms before", "shared-gram before",
                          "parallel-noise before", "conv-kernels before", "reused-scratch before",
-                         "drop-as-summed before", "sum-order before", "shared-input-fits before"}
+                         "drop-as-summed before", "sum-order before", "shared-input-fits before",
+                         "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
+                         "conv-kept-rule before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 
@@ -325,3 +329,51 @@ def test_live_tensor_peak_counts_what_a_step_holds():
     a = workers._live_peak_bytes(plain, (x, x))
     b = workers._live_peak_bytes(holding, (x, x))
     assert b - a >= 8 * 2**20
+
+
+def test_matmul_flops_counts_products_and_grouped_convolutions_exactly():
+    """``workers.matmul_flops``: 2 per multiply-add of every matrix product a step runs, forward and backward; a
+    convolution of ``g`` groups counted as its own work (torch's counter alone counts its weight gradient ``g``
+    times over), so the grouped convolution that forms per-sample gradients counts what the batch's weight
+    gradient does; CPU attention counted."""
+    import torch.nn.functional as F
+    import workers
+
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    assert workers.matmul_flops(lambda data: data[0] @ data[1], (a, b)) == 2 * 8 * 16 * 4
+
+    x = torch.randn(4, 3, 9, 9)
+    w = torch.randn(5, 3, 3, 3, requires_grad=True)
+    go = torch.randn(4, 5, 7, 7)
+    per_conv = 2 * 4 * 5 * 3 * 9 * 7 * 7  # B C_out C_in k^2 T, times 2
+
+    def batch_weight_grad(data):
+        torch.autograd.grad(F.conv2d(data[0], w), w, data[1])
+
+    def grouped_weight_grads(data):  # the per-sample gradients as one convolution of B groups
+        torch.nn.grad.conv2d_weight(data[0].reshape(1, 12, 9, 9), (20, 3, 3, 3), data[1].reshape(1, 20, 7, 7),
+                                    groups=4)
+
+    assert workers.matmul_flops(batch_weight_grad, (x, go)) == 2 * per_conv  # forward + weight gradient
+    assert workers.matmul_flops(grouped_weight_grads, (x, go)) == per_conv
+
+    q = torch.randn(2, 3, 16, 8, requires_grad=True)
+
+    def attention(data):
+        F.scaled_dot_product_attention(data[0], data[0], data[0]).sum().backward()
+
+    assert workers.matmul_flops(attention, (q, q)) > 4 * 2 * 3 * 16 * 16 * 8  # forward alone: 2 products
+
+
+def test_timing_worker_reports_each_methods_flops():
+    w = zoo.Workload("tinycls", 8, 2, "tiny")
+    out = workers.worker_time(w, ["non-private", zoo.DEFAULT_METHOD, "DP-BiTFiT"], torch.device("cpu"), reps=1,
+                              warmup=1)
+    flops = {m: r["flops"] for m, r in out.items()}
+    assert all(f > 0 for f in flops.values()), out
+    assert flops["DP-BiTFiT"] < flops["non-private"] <= flops[zoo.DEFAULT_METHOD]  # no weight gradients; norms
+    rows = {m: dict(r) for m, r in out.items()}
+    import run
+
+    run.summarize(rows, "non-private")
+    assert rows["non-private"]["flop_ratio"] == 1.0 and rows[zoo.DEFAULT_METHOD]["flop_ratio"] >= 1.0

@@ -1,11 +1,12 @@
 """The convolution kind's weight paths (fastdp.layers.kinds.conv.ConvCall) against a batch-of-one oracle, float64.
 
 Per-sample gradients come from one grouped convolution over the batch (``T >= GROUPED_MIN_POSITIONS``) or from
-patches unfolded a few samples at a time (:data:`PATCH_CHUNK_BYTES`); the ghost norm and the clipped sum from such
-chunks. Each path is forced here (the constants
-patched) on convolutions of every shape feature -- 1d/2d/3d, stride, dilation, groups, padding modes, an uneven
-``"same"`` -- at batch sizes 1, 3 and 5 (chunks of 1, 2 and all samples) and 0, and in the engine, every clipping
-mode against the oracle of tests/oracle.py.
+patches unfolded a few samples at a time (:data:`PATCH_CHUNK_BYTES`); the ghost norm from such chunks, or with the
+input Gram from the Gram of the padded input's pixels (:data:`PIXEL_GRAMS`); the clipped sum from torch's
+weight-gradient kernel on per-sample scaled operands or from chunks (:data:`CLIPPED_SUM`). Each path is forced here
+(the constants patched) on convolutions of every shape feature -- 1d/2d/3d, stride, dilation, groups, padding modes,
+an uneven ``"same"`` -- at batch sizes 1, 3 and 5 (chunks of 1, 2 and all samples) and 0, and in the engine, every
+clipping mode against the oracle of tests/oracle.py.
 """
 
 from __future__ import annotations
@@ -85,10 +86,24 @@ def test_every_weight_path_matches_the_batch_of_one_oracle(name, B, per_chunk, m
         psg = kind.per_sample_grad(conv, call, "weight")
         assert psg.shape == want.shape
         torch.testing.assert_close(psg, want, rtol=1e-10, atol=1e-12)
-    norms = kind.ghost_norm_sq(conv, call, "weight")
-    torch.testing.assert_close(norms, want.flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
-    total = kind.clipped_sum(conv, call, "weight", coef)
-    torch.testing.assert_close(total, torch.einsum("b,b...->...", coef, want), rtol=1e-10, atol=1e-12)
+    for pixels in (True, False):  # the input Gram from the pixels' Gram (forced where it would not pay), patches
+        monkeypatch.setattr(convmod, "PIXEL_GRAMS", pixels)
+        monkeypatch.setattr(ConvCall, "pixel_gram_pays", lambda self: True)
+        if pixels and B:
+            for lo, hi in chunks:
+                torch.testing.assert_close(call.input_gram(lo, hi), torch.matmul(
+                    call.patches(lo, hi), call.patches(lo, hi).transpose(-1, -2)), rtol=1e-10, atol=1e-12)
+        norms = kind.ghost_norm_sq(conv, call, "weight")
+        torch.testing.assert_close(norms, want.flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
+    for how in ("kernel", "patches", "measure"):  # torch's weight-gradient kernel on scaled operands, patches
+        monkeypatch.setattr(convmod, "CLIPPED_SUM", how)
+        monkeypatch.setattr(convmod, "_sum_choice", {})
+        for scale_input in (True, False):  # the smaller operand is scaled: force each
+            if how != "patches":
+                monkeypatch.setattr(ConvCall, "_scale_input", lambda self, x, go, s=scale_input: s)
+            total = kind.clipped_sum(conv, call, "weight", coef)
+            assert total.shape == want.shape[1:]
+            torch.testing.assert_close(total, torch.einsum("b,b...->...", coef, want), rtol=1e-10, atol=1e-12)
     factors = kind.factors(conv, call, "weight")  # a shared weight's cross terms: the whole batch's patches
     torch.testing.assert_close(torch.einsum("bgtp,bgtd->bgpd", factors.left, factors.right).reshape(want.shape),
                                want, rtol=1e-10, atol=1e-12)
@@ -172,3 +187,28 @@ def test_ghost_norm_inside_a_shared_gram_pass(name, monkeypatch):
     with shared_input_grams():
         norms = ConvKind().ghost_norm_sq(conv, call, "weight")
     torch.testing.assert_close(norms, want.flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
+
+
+def test_the_measured_clipped_sum_is_chosen_once_per_shape(monkeypatch):
+    """``CLIPPED_SUM = "measure"``: on CPU both forms are timed once per call shape and the choice is kept (later
+    calls of that shape are not timed again); under ``torch.use_deterministic_algorithms`` nothing is timed (the
+    kernel), and an empty batch takes the patches (no kernel call on zero samples)."""
+    monkeypatch.setattr(convmod, "CLIPPED_SUM", "measure")
+    monkeypatch.setattr(convmod, "_sum_choice", {})
+    _, call, want = _call("2d stride 2 dilation 2 reflect", 3)
+    timed = []
+    for form in ("clipped_sum_by_kernel", "clipped_sum_by_patches"):
+        real = getattr(ConvCall, form)
+        monkeypatch.setattr(ConvCall, form, lambda self, coef, real=real, form=form: timed.append(form) or
+                            real(self, coef))
+    first = call.sum_method()
+    assert first in ("kernel", "patches") and len(timed) == 4 and len(convmod._sum_choice) == 1
+    assert call.sum_method() == first and len(timed) == 4  # kept, not timed again
+    monkeypatch.setattr(convmod, "_sum_choice", {})
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert call.sum_method() == "kernel" and len(timed) == 4 and not convmod._sum_choice
+    finally:
+        torch.use_deterministic_algorithms(False)
+    _, empty, _ = _call("2d stride 2 dilation 2 reflect", 0)
+    assert empty.sum_method() == "patches"

@@ -17,7 +17,10 @@ kernel, no patches). Results equal the batch-at-once ones up to the order of flo
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdp.layers import _matmul
+from fastdp.layers import _factored, _matmul
 from fastdp.layers._factored import Factors
 from fastdp.layers.base import to_accumulation
 from fastdp.layers.registry import register
 from fastdp.layers.spec import DocRow, OracleCase
+
+logger = logging.getLogger(__name__)
 
 
 def unfold_patches(x: torch.Tensor, kernel: tuple[int, ...], dilation: tuple[int, ...],
@@ -98,14 +103,23 @@ class ConvKind(_matmul.OuterProductKind):
         return 2 * call.T * call.T < call.p * call.d
 
     def instantiation_fits(self, module: nn.Module, ctx: Any, name: str, readers: int = 1) -> bool:
-        # (the kept input is the unpadded image, not its T x d patches: ``readers`` is not applied to this estimate)
+        # what book-keeping keeps per sample is the unpadded input and the output gradient (never the T x d
+        # patches): instantiate where a per-sample gradient is no larger. (``readers`` does not apply: each call
+        # keeps its own input here.)
         call: ConvCall = ctx
-        return name == "bias" or call.p * call.d <= call.T * (call.p + call.d)
+        kept = math.prod(call.x.shape[1:]) + math.prod(call.grad_output.shape[1:])
+        return name == "bias" or call.module.weight.numel() <= kept
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         call: ConvCall = ctx
-        # fresh patches per chunk: not the shared input-Gram cache (it keys on storage, which a chunk reuses)
-        parts = [_matmul.ghost_norm_sq(call.patches(lo, hi), call.G[lo:hi], share=False) for lo, hi in call.chunks()]
+        if PIXEL_GRAMS and call.pixel_gram_pays():
+            G = call.G
+            parts = [_factored.gram_inner(call.input_gram(lo, hi), torch.matmul(G[lo:hi], G[lo:hi].transpose(-1, -2)))
+                     for lo, hi in call.chunks(call.pixel_gram_bytes())]
+        else:
+            # fresh patches per chunk: not the shared input-Gram cache (it keys on storage, which a chunk reuses)
+            parts = [_matmul.ghost_norm_sq(call.patches(lo, hi), call.G[lo:hi], share=False)
+                     for lo, hi in call.chunks()]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
@@ -125,11 +139,9 @@ class ConvKind(_matmul.OuterProductKind):
         if name == "bias":
             return super().clipped_sum(module, _bias_ctx(ctx), name, coef)
         call: ConvCall = ctx
-        total = None
-        for lo, hi in call.chunks():
-            part = _matmul.clipped_sum(call.patches(lo, hi), call.G[lo:hi], coef[lo:hi])
-            total = part if total is None else total.add_(part)
-        return total.reshape(module.weight.shape)
+        if call.sum_method() == "kernel":
+            return call.clipped_sum_by_kernel(coef)
+        return call.clipped_sum_by_patches(coef)
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         if name == "bias":
@@ -151,6 +163,21 @@ _WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 
 #: and its scratch is about twice the per-sample gradients (29 MB against 18 MB for a 64-channel 3x3 layer at
 #: batch 64, T 64), hence the high threshold.
 GROUPED_MIN_POSITIONS = 256
+
+#: how a weight's clipped sum ``sum_i coef_i g_i`` is formed: ``"kernel"``, torch's weight-gradient kernel on the
+#: per-sample scaled operand (:meth:`ConvCall.clipped_sum_by_kernel`: the non-private weight gradient's own kernel,
+#: no patches); ``"patches"``, one contraction over patches unfolded a few samples at a time
+#: (:meth:`ConvCall.clipped_sum_by_patches`); ``"measure"`` (default): on CPU, both timed once per call shape and
+#: the faster kept (:meth:`ConvCall.sum_method`), elsewhere the kernel. Both are exact; they differ in rounding only.
+#: On a 2-core CPU (oneDNN) the kernel took 0.13-0.8x the patches' time on most ResNet-18 layers, but 2.6-3.9x on
+#: its 512-channel 3x3 layers at 1-4 positions (``benchmarks/levers.py conv-sum-kernel conv-sum-measure``).
+CLIPPED_SUM = "measure"
+#: the measured choice per call shape (:meth:`ConvCall.sum_method`)
+_sum_choice: dict[tuple, str] = {}
+
+#: the ghost norm's input Gram from the Gram of the input's pixels (:meth:`ConvCall.input_gram`: no patches) where
+#: that is fewer products (:meth:`ConvCall.pixel_gram_pays`); off, from patches (``benchmarks/levers.py``)
+PIXEL_GRAMS = True
 
 #: the most bytes of patches a :class:`ConvCall` forms at once, per device type (others: ``"default"``). On CPU,
 #: glibc serves every allocation above 32 MiB by a fresh ``mmap``, so a batch's patches (often hundreds of MiB) are
@@ -219,10 +246,113 @@ class ConvCall:
             groups=B * m.groups)
         return grads.reshape(B, *shape)
 
-    def chunks(self) -> list[tuple[int, int]]:
+    def clipped_sum_by_kernel(self, coef: torch.Tensor) -> torch.Tensor:
+        """``sum_i coef_i g_i``, shape of the weight, as the weight gradient of the whole batch with sample ``i``'s
+        input (or output gradient, whichever is smaller) scaled by ``coef_i``: ``sum_i G_i^T (coef_i A_i)`` is
+        linear in each sample's operand, and padding (any ``padding_mode``) commutes with the scaling. The scaled
+        operand goes to the pass's reused buffer (:func:`fastdp.layers._matmul.reused_scratch`)."""
+        m = self.module
+        x, padding = self._weight_grad_input()
+        go = self.grad_output
+        c = coef.to(go.dtype).view(-1, *([1] * (go.dim() - 1)))
+        if self._scale_input(x, go):
+            x = _matmul._scaled(x, c)
+        else:
+            go = _matmul._scaled(go, c)
+        return _WEIGHT_GRAD[len(m.kernel_size)](x, tuple(m.weight.shape), go, stride=m.stride, padding=padding,
+                                                 dilation=m.dilation, groups=m.groups)
+
+    def clipped_sum_by_patches(self, coef: torch.Tensor) -> torch.Tensor:
+        """``sum_i coef_i g_i``, shape of the weight, as one contraction per chunk of unfolded patches."""
+        total = None
+        for lo, hi in self.chunks():
+            part = _matmul.clipped_sum(self.patches(lo, hi), self.G[lo:hi], coef[lo:hi])
+            total = part if total is None else total.add_(part)
+        return total.reshape(self.module.weight.shape)
+
+    def sum_method(self) -> str:
+        """``"kernel"`` or ``"patches"`` for this call's clipped sum (see :data:`CLIPPED_SUM`). Measured once per
+        call shape on CPU: two timed runs of each on samples' coefficients of 1, the faster kept; not measured
+        (the kernel) under ``torch.use_deterministic_algorithms``, so that the summation order does not depend on
+        a timing."""
+        if CLIPPED_SUM != "measure":
+            return CLIPPED_SUM
+        if self.batch == 0:
+            return "patches"
+        if self.x.device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
+            return "kernel"
+        m = self.module
+        key = (self.x.dtype, tuple(self.x.shape), tuple(self.grad_output.shape), tuple(m.weight.shape), m.stride,
+               m.dilation, m.groups, m.padding_mode, tuple(m._reversed_padding_repeated_twice))
+        choice = _sum_choice.get(key)
+        if choice is None:
+            ones = self.x.new_ones(self.batch)
+            best = {"kernel": math.inf, "patches": math.inf}
+            for _ in range(2):
+                for how, form in (("kernel", self.clipped_sum_by_kernel), ("patches", self.clipped_sum_by_patches)):
+                    t0 = time.perf_counter()
+                    form(ones)
+                    best[how] = min(best[how], time.perf_counter() - t0)
+            choice = _sum_choice[key] = min(best, key=best.__getitem__)
+            logger.debug("%s %s: clipped sum by %s (kernel %.2f ms, patches %.2f ms)", type(m).__name__, key[1:3],
+                         choice, 1e3 * best["kernel"], 1e3 * best["patches"])
+        return choice
+
+    def _scale_input(self, x: torch.Tensor, go: torch.Tensor) -> bool:
+        """Whether :meth:`clipped_sum_by_kernel` scales the input (the smaller operand) or the output gradient."""
+        return x.numel() < go.numel()
+
+    @property
+    def pixels(self) -> int:
+        """``N``: pixels of one channel of the padded input."""
+        return math.prod(s + a + b for s, a, b in zip(
+            self.x.shape[2:], reversed(self.module._reversed_padding_repeated_twice[0::2]),
+            reversed(self.module._reversed_padding_repeated_twice[1::2]), strict=True))
+
+    def pixel_gram_pays(self) -> bool:
+        """Whether :meth:`input_gram` takes fewer products than the patches' Gram: ``N^2 < prod(k) T^2`` (both
+        times ``C_in / g``); typically a stride-1 convolution with a kernel larger than 1."""
+        return self.pixels ** 2 < math.prod(self.module.kernel_size) * self.T ** 2
+
+    def pixel_gram_bytes(self) -> int:
+        """Bytes per sample that :meth:`input_gram` holds: the pixel Gram and the patch Gram, per group."""
+        return self.module.groups * (self.pixels ** 2 + 2 * self.T ** 2) * self.x.element_size()
+
+    def input_gram(self, lo: int, hi: int) -> torch.Tensor:
+        """``A_i A_i^T`` per sample and group, ``(hi - lo, g, T, T)``, for samples ``[lo, hi)``, without patches.
+
+        Patch row ``t`` of sample ``i`` holds, per channel ``c`` and kernel offset ``delta``, the padded input's
+        pixel ``pix(delta, t)``. So ``<A_i[t], A_i[s]> = sum_delta P_i[pix(delta, t), pix(delta, s)]``, where
+        ``P_i = X_i^T X_i`` ``(N, N)`` is the Gram of the padded input's pixels over the group's channels: ``N^2
+        C_in/g`` products instead of ``T^2 C_in/g prod(k)``, then the sum of ``prod(k)`` strided ``T x T`` windows of
+        ``P_i`` (one per kernel offset: the pixels it reads form a strided window of the padded input).
+        """
+        m = self.module
+        x = self.kind._padded(m, self.x[lo:hi])  # (b, C_in, *padded)
+        b, g = hi - lo, m.groups
+        padded = tuple(x.shape[2:])
+        N, T = math.prod(padded), self.T
+        X = x.reshape(b, g, x.shape[1] // g, N)
+        P = torch.matmul(X.transpose(-1, -2), X).view(b * g, *padded, *padded)
+        out_shape = self.grad_output.shape[2:]
+        out = None
+        for delta in itertools.product(*(range(k) for k in m.kernel_size)):
+            # the pixels kernel offset delta reads at every output position: a strided window of the padded input
+            window = tuple(slice(d * dil, d * dil + (L - 1) * s + 1, s) for d, dil, L, s in zip(
+                delta, m.dilation, out_shape, m.stride, strict=True))
+            part = P[(slice(None), *window, *window)]  # (b g, *out_shape, *out_shape)
+            out = part.clone(memory_format=torch.contiguous_format) if out is None else out.add_(part)
+        if out is None:  # (a kernel of no elements cannot be built; kept for completeness)
+            raise ValueError(f"{type(m).__name__} has an empty kernel {m.kernel_size}")
+        return out.view(b, g, T, T)
+
+    def chunks(self, per_sample: int | None = None) -> list[tuple[int, int]]:
+        """Sample ranges whose working set takes at most :data:`PATCH_CHUNK_BYTES` (``per_sample`` bytes each;
+        by default a sample's patches)."""
         B = self.batch
         budget = PATCH_CHUNK_BYTES.get(self.x.device.type, PATCH_CHUNK_BYTES["default"])
-        per_sample = self.module.groups * self.T * self.d * self.x.element_size()
+        if per_sample is None:
+            per_sample = self.module.groups * self.T * self.d * self.x.element_size()
         step = max(1, budget // max(1, per_sample))
         if B <= step:
             return [(0, B)]
