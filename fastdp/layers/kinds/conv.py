@@ -61,8 +61,9 @@ class ConvKind(_matmul.OuterProductKind):
     module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     doc = DocRow(
         "`nn.Conv1d`, `nn.Conv2d`, `nn.Conv3d`", "weight, bias",
-        "weight: ghost norm or instantiation on patches unfolded a few samples at a time (instantiation at "
-        "T >= 256 by one grouped convolution over the batch); bias: instantiated",
+        "weight: ghost norm (input Gram from the pixels' Gram where cheaper) or instantiation on patches unfolded a "
+        "few samples at a time (instantiation at T >= 256 by one grouped convolution over the batch); clipped sum by "
+        "the weight-gradient kernel or patches, the faster on CPU; bias: instantiated",
         'any stride, dilation, padding (ints, tuples, `"same"`, `"valid"`), `padding_mode`, `groups`. Needs a '
         "batched input.")
 
