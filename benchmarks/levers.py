@@ -13,6 +13,9 @@ Usage::
     python benchmarks/levers.py --json results/levers.json        # also save the raw times
 
 ``python benchmarks/levers.py --noise`` times the noise of a step drawn per parameter against one flat buffer.
+``python benchmarks/levers.py --conv-ops`` times each operation of the convolution kind on ResNet-18's layer shapes,
+every way it can be done (the clipped sum by kernel or patches, the input Gram from pixels or patches, per-sample
+gradients from patches or the grouped kernel), against the batch's weight gradient.
 ``python benchmarks/levers.py --memory`` reports, instead of times, each configuration's peak live-tensor growth
 over one step (``workers._live_peak_bytes``: the allocations and frees torch's profiler records).
 
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import statistics
@@ -269,6 +273,63 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
     return out
 
 
+#: ResNet-18's convolution shapes at 32², 64² and 128² images and the harness's batch for each:
+#: (image side, batch, C_in, input side, C_out, kernel, stride)
+RESNET_CONVS = tuple((img, batch, c_in, img // div, c_out, k, s) for img, batch in ((32, 64), (64, 16), (128, 4))
+                     for c_in, div, c_out, k, s in ((64, 4, 64, 3, 1), (64, 4, 128, 3, 2), (128, 8, 128, 3, 1),
+                                                    (128, 8, 256, 3, 2), (256, 16, 256, 3, 1), (256, 16, 512, 3, 2),
+                                                    (512, 32, 512, 3, 1), (64, 4, 128, 1, 2)))
+
+
+def _conv_ops(conv: torch.nn.Conv2d, call: object, x: torch.Tensor, go: torch.Tensor,
+              coef: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The operations :func:`conv_ops_ab` times on one call (the path switches are set around each)."""
+    kind = ConvKind()
+    norm = functools.partial(kind.ghost_norm_sq, conv, call, "weight")
+    return {"weight gradient (non-private)": functools.partial(
+                torch.nn.grad.conv2d_weight, x, conv.weight.shape, go, stride=conv.stride, padding=conv.padding),
+            "sum by kernel": functools.partial(call.clipped_sum_by_kernel, coef),
+            "sum by patches": functools.partial(call.clipped_sum_by_patches, coef),
+            "ghost norm, pixel Gram": norm,
+            "ghost norm, patches": norm,
+            "per-sample, patches": functools.partial(kind.per_sample_grad, conv, call, "weight"),
+            "per-sample, grouped": call.grouped_weight_grads}
+
+
+def conv_ops_ab(reps: int, shapes: tuple[tuple[int, ...], ...] = RESNET_CONVS) -> list[dict[str, object]]:
+    """Each operation of the convolution kind on ResNet-18's layer shapes, every way it can be done, alternating
+    calls (median milliseconds): the clipped sum by the weight-gradient kernel or by patches, the ghost norm with
+    the input Gram from the pixels' Gram or from patches, per-sample gradients from patches or the grouped kernel,
+    and the batch's plain weight gradient (what non-private training pays) for scale."""
+    from fastdp.layers.kinds.conv import ConvCall
+
+    rows = []
+    for img, B, c_in, side, c_out, k, stride in shapes:
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=False)
+        x = torch.randn(B, c_in, side, side)
+        with torch.no_grad():
+            go = torch.randn_like(conv(x))
+        call: ConvCall = ConvKind().prepare(conv, x, go)
+        ops = _conv_ops(conv, call, x, go, torch.rand(B))
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for r in range(reps + 1):
+            for name in list(ops)[r % len(ops):] + list(ops)[:r % len(ops)]:
+                patches = [(conv_kind, "PIXEL_GRAMS", name != "ghost norm, patches"),
+                           (conv_kind, "GROUPED_MIN_POSITIONS", 10**9 if name == "per-sample, patches" else 0),
+                           (ConvCall, "pixel_gram_pays", lambda self: True)]
+                with _patched(patches):
+                    t0 = time.perf_counter()
+                    ops[name]()
+                    if r:
+                        times[name].append(time.perf_counter() - t0)
+        row = {"shape": f"img{img} B{B} {c_in}->{c_out} k{k} s{stride} at {side}x{side} (T {call.T})"}
+        row.update({name: 1e3 * statistics.median(ts) for name, ts in times.items()})
+        rows.append(row)
+        print("| " + " | ".join([row["shape"]] + [f"{row[name]:.2f}" for name in ops]) + " |", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
@@ -281,8 +342,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny widths, size 16, batch 2, one round (a smoke test)")
     p.add_argument("--noise", action="store_true", help="only the noise A/B (per-parameter tensors or one flat buffer)")
     p.add_argument("--memory", action="store_true", help="peak live-tensor growth of each configuration, not times")
+    p.add_argument("--conv-ops", action="store_true",
+                   help="only the convolution kind's operations on ResNet-18's layer shapes, every way (ms)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.conv_ops:
+        print("| layer | weight gradient (non-private) | sum by kernel | sum by patches | ghost norm, pixel Gram | "
+              "ghost norm, patches | per-sample, patches | per-sample, grouped |")
+        print("|---" * 8 + "|")
+        rows = conv_ops_ab(args.reps)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, "ms": rows},
+                                            indent=1))
+        return
     if args.noise:
         for model, size in (("gpt2", 256), ("roberta", 64), ("vit", 64), ("resnet", 32)):
             noise_ab(model, size, args.reps)

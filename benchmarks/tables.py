@@ -292,10 +292,30 @@ def render_noise(results: dict) -> str:
     return "\n".join(lines)
 
 
+def render_flops(results: dict) -> str:
+    """Per workload, the arithmetic against the time: the default mode's matrix-product FLOPs and step time as
+    ratios to non-private training, and DP-BiTFiT's to non-private BiTFiT. A time ratio above the FLOP ratio is
+    work other than the products (per-sample norms' reductions, scaling, noise, copies, hooks) or products run at a
+    lower rate (many small per-sample ones instead of one large one)."""
+    lines = [f"From `{results['json']}` ({results['env']['date']}, {results['env'].get('gpu') or 'CPU'}).", "",
+             "| workload | default mode FLOPs / non-private | default mode time / non-private | time less FLOPs | "
+             "DP-BiTFiT FLOPs / non-private BiTFiT | DP-BiTFiT time / non-private BiTFiT |",
+             "|---|---|---|---|---|---|"]
+    for wl in results["workloads"]:
+        ms = wl["methods"]
+        d, b, nb = ms.get(D, {}), ms.get("DP-BiTFiT", {}), ms.get("non-private BiTFiT", {})
+        gap = d["time_ratio"] - d["flop_ratio"] if d.get("time_ratio") and d.get("flop_ratio") else None
+        bf = b["flops"] / nb["flops"] if b.get("flops") and nb.get("flops") else None
+        bt = b["median_s"] / nb["median_s"] if b.get("median_s") and nb.get("median_s") else None
+        lines.append(f"| {wl['tag']} | {_fmt(d.get('flop_ratio'), '.3f', 'x')} | {_ratio(d)} | "
+                     f"{_fmt(gap, '+.2f')} | {_fmt(bf, '.3f', 'x')} | {_fmt(bt, '.2f', 'x')} |")
+    return "\n".join(lines)
+
+
 def render(results: dict, view: str | None = None) -> str:
     """The markdown of one result: its preset's default view, or ``view``."""
     views: dict[str, Callable[[dict], str]] = {"summary": render_summary, "bitfit": render_bitfit,
-                                               "steps": render_steps}
+                                               "steps": render_steps, "flops": render_flops}
     if view is not None:
         if view not in views:
             raise ValueError(f"unknown table view {view!r}; choose from {sorted(views)}")

@@ -377,3 +377,17 @@ def test_timing_worker_reports_each_methods_flops():
 
     run.summarize(rows, "non-private")
     assert rows["non-private"]["flop_ratio"] == 1.0 and rows[zoo.DEFAULT_METHOD]["flop_ratio"] >= 1.0
+
+
+def test_conv_ops_ab_times_every_path_and_restores_the_switches():
+    import levers
+
+    from fastdp.layers.kinds import conv as conv_kind
+    from fastdp.layers.kinds.conv import ConvCall
+
+    before = (conv_kind.PIXEL_GRAMS, conv_kind.GROUPED_MIN_POSITIONS, ConvCall.pixel_gram_pays)
+    rows = levers.conv_ops_ab(1, shapes=((8, 2, 3, 6, 4, 3, 1), (8, 2, 3, 6, 4, 3, 2)))
+    assert len(rows) == 2
+    for row in rows:
+        assert len(row) == 8 and all(v > 0 for k, v in row.items() if k != "shape"), row
+    assert (conv_kind.PIXEL_GRAMS, conv_kind.GROUPED_MIN_POSITIONS, ConvCall.pixel_gram_pays) == before

@@ -170,8 +170,8 @@ GROUPED_MIN_POSITIONS = 256
 #: no patches); ``"patches"``, one contraction over patches unfolded a few samples at a time
 #: (:meth:`ConvCall.clipped_sum_by_patches`); ``"measure"`` (default): on CPU, both timed once per call shape and
 #: the faster kept (:meth:`ConvCall.sum_method`), elsewhere the kernel. Both are exact; they differ in rounding only.
-#: On a 2-core CPU (oneDNN) the kernel took 0.13-0.8x the patches' time on most ResNet-18 layers, but 2.6-3.9x on
-#: its 512-channel 3x3 layers at 1-4 positions (``benchmarks/levers.py conv-sum-kernel conv-sum-measure``).
+#: On a 2-core CPU (oneDNN) the kernel took 0.25-1.03x the patches' time on ResNet-18's layers of up to 256 output
+#: channels but 1.06-2.0x on its 512-channel ones (``python benchmarks/levers.py --conv-ops``).
 CLIPPED_SUM = "measure"
 #: the measured choice per call shape (:meth:`ConvCall.sum_method`)
 _sum_choice: dict[tuple, str] = {}
