@@ -192,7 +192,8 @@ def test_ghost_norm_inside_a_shared_gram_pass(name, monkeypatch):
 def test_the_measured_clipped_sum_is_chosen_once_per_shape(monkeypatch):
     """``CLIPPED_SUM = "measure"``: on CPU both forms are timed once per call shape and the choice is kept (later
     calls of that shape are not timed again); under ``torch.use_deterministic_algorithms`` nothing is timed (the
-    kernel), and an empty batch takes the patches (no kernel call on zero samples)."""
+    kernel), an empty batch takes the patches (no kernel call on zero samples), and once ``SUM_CHOICE_MAX`` shapes
+    are stored new ones take the kernel untimed."""
     monkeypatch.setattr(convmod, "CLIPPED_SUM", "measure")
     monkeypatch.setattr(convmod, "_sum_choice", {})
     _, call, want = _call("2d stride 2 dilation 2 reflect", 3)
@@ -212,3 +213,5 @@ def test_the_measured_clipped_sum_is_chosen_once_per_shape(monkeypatch):
         torch.use_deterministic_algorithms(False)
     _, empty, _ = _call("2d stride 2 dilation 2 reflect", 0)
     assert empty.sum_method() == "patches"
+    monkeypatch.setattr(convmod, "SUM_CHOICE_MAX", 0)  # full: the kernel, nothing timed or stored
+    assert call.sum_method() == "kernel" and len(timed) == 4 and not convmod._sum_choice

@@ -175,6 +175,9 @@ GROUPED_MIN_POSITIONS = 256
 CLIPPED_SUM = "measure"
 #: the measured choice per call shape (:meth:`ConvCall.sum_method`)
 _sum_choice: dict[tuple, str] = {}
+#: the most call shapes measured; beyond, the kernel without a timing (inputs of ever new shapes would otherwise pay
+#: four extra clipped sums per layer on every step)
+SUM_CHOICE_MAX = 1024
 
 #: the ghost norm's input Gram from the Gram of the input's pixels (:meth:`ConvCall.input_gram`: no patches) where
 #: that is fewer products (:meth:`ConvCall.pixel_gram_pays`); off, from patches (``benchmarks/levers.py``)
@@ -286,6 +289,8 @@ class ConvCall:
         key = (self.x.dtype, tuple(self.x.shape), tuple(self.grad_output.shape), tuple(m.weight.shape), m.stride,
                m.dilation, m.groups, m.padding_mode, tuple(m._reversed_padding_repeated_twice))
         choice = _sum_choice.get(key)
+        if choice is None and len(_sum_choice) >= SUM_CHOICE_MAX:
+            return "kernel"
         if choice is None:
             ones = self.x.new_ones(self.batch)
             best = {"kernel": math.inf, "patches": math.inf}
