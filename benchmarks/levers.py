@@ -57,6 +57,11 @@ Levers:
 * ``conv-kept-rule``: the default mode instantiates a convolution's per-sample gradients only where they are no
   larger than what book-keeping keeps of the call, its unpadded input and output gradient
   (``ConvKind.instantiation_fits``); before: ``p d <= T (p + d)``, which counted the ``T x d`` patches as kept.
+
+``python benchmarks/levers.py --slack --models gpt2 roberta --widths paper --sizes 512 --batch 2`` (an option, not a
+lever: not adopted) compares the default mode's matrix-product FLOPs and peak live tensors, as ratios to
+non-private training, with ``fastdp.layers._matmul.INSTANTIATION_SLACK`` at 1 (the default: instantiate a per-sample
+gradient only where it is no larger than what book-keeping keeps of the call) and at 1.25.
 """
 
 from __future__ import annotations
@@ -330,6 +335,34 @@ def conv_ops_ab(reps: int, shapes: tuple[tuple[int, ...], ...] = RESNET_CONVS) -
     return rows
 
 
+def slack_ab(workloads: list[zoo.Workload], slacks: tuple[float, ...] = (1.0, 1.25)) -> dict[str, dict[str, float]]:
+    """Per workload, non-private training and the default mode at each ``INSTANTIATION_SLACK``: matrix-product
+    FLOPs and peak live-tensor growth of one step after one unmeasured one, and their ratios to non-private."""
+    from workers import _live_peak_bytes, matmul_flops
+
+    device = torch.device("cpu")
+    out = {}
+    for w in workloads:
+        data = zoo.make_batch(w, device)
+        rows: dict[str, float] = {}
+        for label, method, slack in [("non-private", "non-private", None)] + [
+                (f"slack {s:g}", zoo.DEFAULT_METHOD, s) for s in slacks]:
+            patches = [] if slack is None else [(fastdp.layers._matmul, "INSTANTIATION_SLACK", slack)]
+            with _patched(patches):
+                step = zoo.make_step(w, method, device)
+                step(data)
+                rows[f"{label} GFLOP"] = matmul_flops(step, data) / 1e9
+                rows[f"{label} live MB"] = _live_peak_bytes(step, data) / 2**20
+            del step
+        cells = [w.tag]
+        for s in slacks:
+            cells += [f"{rows[f'slack {s:g} GFLOP'] / rows['non-private GFLOP']:.3f}x",
+                      f"{rows[f'slack {s:g} live MB'] / rows['non-private live MB']:.3f}x"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+        out[w.tag] = rows
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
@@ -342,10 +375,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny widths, size 16, batch 2, one round (a smoke test)")
     p.add_argument("--noise", action="store_true", help="only the noise A/B (per-parameter tensors or one flat buffer)")
     p.add_argument("--memory", action="store_true", help="peak live-tensor growth of each configuration, not times")
+    p.add_argument("--slack", action="store_true",
+                   help="only FLOPs and live peak of the default mode at INSTANTIATION_SLACK 1 and 1.25")
+    p.add_argument("--widths", default="cpu", help="--slack: the width set of the workloads")
+    p.add_argument("--batch", type=int, default=None, help="--slack: the batch (default: the harness's)")
     p.add_argument("--conv-ops", action="store_true",
                    help="only the convolution kind's operations on ResNet-18's layer shapes, every way (ms)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.slack:
+        print("| workload | FLOPs, slack 1 | live, slack 1 | FLOPs, slack 1.25 | live, slack 1.25 |")
+        print("|---|---|---|---|---|")
+        chosen = [zoo.Workload(m, s, args.batch or zoo.default_batch(m, s, args.widths), args.widths)
+                  for m in args.models or ("gpt2",) for s in args.sizes or (512,)]
+        rows = slack_ab(chosen)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, "rows": rows},
+                                            indent=1))
+        return
     if args.conv_ops:
         print("| layer | weight gradient (non-private) | sum by kernel | sum by patches | ghost norm, pixel Gram | "
               "ghost norm, patches | per-sample, patches | per-sample, grouped |")

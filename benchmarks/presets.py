@@ -87,6 +87,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            ("non-private", D, f"{D}, on arrival off"),
            (("roberta", (256,), 8, "cpu"), ("vit", (64,), 32, "cpu"), ("gpt2", (256,), 8, "cpu")),
            reps=7, warmup=2, memory=False),
+    Preset("slack", "steps", "the default mode with INSTANTIATION_SLACK 1 and 1.25 (per-sample gradients up to "
+           "1.25x what book-keeping keeps) at GPT-2-small and RoBERTa-base widths, T 512 (a GPU)",
+           ("non-private", D, f"{D}, slack 1.25"),
+           (("gpt2", (512,), 16, "paper"), ("roberta", (512,), 8, "paper")), reps=5, warmup=2),
     Preset("probe-cost", "runs", "the structure probe's cost: whole runs with and without verify_structure",
            (D, f"{D}, no probe"), (("gpt2", (64,), 16, "probe"), ("cnn", (32,), 16, "cpu")),
            base=f"{D}, no probe", reps=3, warmup=0, memory=False, steps=100),

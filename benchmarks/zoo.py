@@ -14,8 +14,9 @@ A *method* is how one training step is taken:
 * ``Opacus hooks`` / ``Opacus ghost``: Opacus 1.6 (``benchmarks/opacus_runner.py``), per-sample gradients
   instantiated by hooks, or its two-backward ghost clipping;
 * variants of the default mode for A/B measurements (``VARIANTS``): ``fastdp BK-MixOpt, on arrival off``
-  (instantiation on arrival switched off, docs/internals/clipping.md) and ``fastdp BK-MixOpt, no probe``
-  (``verify_structure=False``).
+  (instantiation on arrival switched off, docs/internals/clipping.md), ``fastdp BK-MixOpt, no probe``
+  (``verify_structure=False``) and ``fastdp BK-MixOpt, slack 1.25`` (``fastdp.layers._matmul.INSTANTIATION_SLACK``
+  1.25 during its steps, ``MODULE_SWITCHES``).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -23,6 +24,7 @@ same loss: cross-entropy, mean over the batch (classification) or over all B·T 
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +44,12 @@ DEFAULT_METHOD = f"fastdp {FASTDP_MODES[0]}"
 VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, on arrival off": ({}, {"_capture.on_arrival": False}),
     f"{DEFAULT_METHOD}, no probe": ({"verify_structure": False}, {}),
+    f"{DEFAULT_METHOD}, slack 1.25": ({}, {}),
+}
+#: A/B variants that set a fastdp module constant for the duration of each of their steps: method -> [(module,
+#: attribute, value)]
+MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
+    f"{DEFAULT_METHOD}, slack 1.25": [("fastdp.layers._matmul", "INSTANTIATION_SLACK", 1.25)],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS)
@@ -345,11 +353,23 @@ def make_step(w: Workload, method: str, device: torch.device, seed: int = 0, lr:
                                    "update zoo.VARIANTS")
             setattr(owner, attr, value)
 
-    def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def plain_step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
         x, y = data
         loss(forward(model, x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    switches = [(importlib.import_module(mod), attr, value) for mod, attr, value in MODULE_SWITCHES.get(method, [])]
+
+    def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in switches]
+        for mod, attr, value in switches:
+            setattr(mod, attr, value)
+        try:
+            plain_step(data)
+        finally:
+            for mod, attr, value in saved:
+                setattr(mod, attr, value)
 
     step.engine = engine  # type: ignore[attr-defined]  # (None for non-private methods; probe_stats for reports)
     return step

@@ -164,6 +164,17 @@ def test_variants_set_their_switches():
     assert on.engine._capture.on_arrival and not off.engine._capture.on_arrival
     assert on.engine.verify_structure and not unprobed.engine.verify_structure
     assert zoo.make_step(w, "non-private", torch.device("cpu")).engine is None
+    import fastdp.layers._matmul as matmul
+
+    seen = []
+    slack = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, slack 1.25", torch.device("cpu"))
+    real = matmul.instantiation_fits
+    try:
+        matmul.instantiation_fits = lambda *a, **k: seen.append(matmul.INSTANTIATION_SLACK) or real(*a, **k)
+        slack(zoo.make_batch(w, torch.device("cpu")))
+    finally:
+        matmul.instantiation_fits = real
+    assert seen and set(seen) == {1.25} and matmul.INSTANTIATION_SLACK == 1.0  # set for its steps only
 
 
 def test_workload_refuses_a_width_set_without_the_model():
@@ -182,6 +193,7 @@ QUICK = {  # (extra arguments, what a row must hold) per preset; Opacus is left 
     "on-arrival": ([], "times_s"),
     "probe-cost": ([], "probe_s"),
     "noise": ([], "times_s"),
+    "slack": (["--models", "gpt2"], "flops"),
 }
 
 
@@ -391,3 +403,16 @@ def test_conv_ops_ab_times_every_path_and_restores_the_switches():
     for row in rows:
         assert len(row) == 8 and all(v > 0 for k, v in row.items() if k != "shape"), row
     assert (conv_kind.PIXEL_GRAMS, conv_kind.GROUPED_MIN_POSITIONS, ConvCall.pixel_gram_pays) == before
+
+
+def test_slack_ab_reports_flops_and_live_memory_and_restores_the_slack():
+    import levers
+
+    import fastdp.layers._matmul as matmul
+
+    before = matmul.INSTANTIATION_SLACK
+    rows = levers.slack_ab([zoo.Workload("tinycls", 16, 2, "tiny")])
+    row = rows["tinycls-tiny-T16-B2"]
+    assert set(row) == {f"{k} {u}" for k in ("non-private", "slack 1", "slack 1.25") for u in ("GFLOP", "live MB")}
+    assert all(v > 0 for v in row.values())
+    assert matmul.INSTANTIATION_SLACK == before
