@@ -363,6 +363,13 @@ def slack_ab(workloads: list[zoo.Workload], slacks: tuple[float, ...] = (1.0, 1.
     return out
 
 
+def _save(args: argparse.Namespace, key: str, rows: object) -> None:
+    """Write ``rows`` under ``key`` to ``--json`` (when given), with the thread count and torch version."""
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, key: rows}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
@@ -388,21 +395,13 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|")
         chosen = [zoo.Workload(m, s, args.batch or zoo.default_batch(m, s, args.widths), args.widths)
                   for m in args.models or ("gpt2",) for s in args.sizes or (512,)]
-        rows = slack_ab(chosen)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, "rows": rows},
-                                            indent=1))
+        _save(args, "rows", slack_ab(chosen))
         return
     if args.conv_ops:
         print("| layer | weight gradient (non-private) | sum by kernel | sum by patches | ghost norm, pixel Gram | "
               "ghost norm, patches | per-sample, patches | per-sample, grouped |")
         print("|---" * 8 + "|")
-        rows = conv_ops_ab(args.reps)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, "ms": rows},
-                                            indent=1))
+        _save(args, "ms", conv_ops_ab(args.reps))
         return
     if args.noise:
         for model, size in (("gpt2", 256), ("roberta", 64), ("vit", 64), ("resnet", 32)):
@@ -443,11 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         cells += [f"{med[f'{lv} before'] / med['after']:.3f}" for lv in args.levers]
         print(f"| {w.tag} | {' | '.join(cells)} |", flush=True)
         results[w.tag] = times
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        key = "live_mb" if args.memory else "times_s"
-        args.json.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, key: results},
-                                        indent=1))
+    _save(args, "live_mb" if args.memory else "times_s", results)
 
 
 if __name__ == "__main__":
