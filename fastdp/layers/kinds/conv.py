@@ -12,7 +12,10 @@ large: :class:`ConvCall` keeps the input and pads and unfolds a few samples at a
 :data:`PATCH_CHUNK_BYTES` of patches), and each operation (per-sample gradient, ghost norm, clipped sum) consumes a
 chunk before the next is made. Per-sample gradients of a call with many positions (``T >=``
 :data:`GROUPED_MIN_POSITIONS`) come instead from one grouped convolution over the batch (torch's weight-gradient
-kernel, no patches). Results equal the batch-at-once ones up to the order of floating-point sums.
+kernel, no patches). Three paths avoid patches altogether: the clipped sum as torch's weight-gradient kernel on
+per-sample scaled operands (:data:`CLIPPED_SUM`), the ghost norm's input Gram from the Gram of the padded input's
+pixels (:data:`PIXEL_GRAMS`), and the default mode's memory rule counts the kept input, never patches
+(:meth:`ConvKind.instantiation_fits`). Results equal the batch-at-once ones up to the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -348,8 +351,6 @@ class ConvCall:
                 delta, m.dilation, out_shape, m.stride, strict=True))
             part = P[(slice(None), *window, *window)]  # (b g, *out_shape, *out_shape)
             out = part.clone(memory_format=torch.contiguous_format) if out is None else out.add_(part)
-        if out is None:  # (a kernel of no elements cannot be built; kept for completeness)
-            raise ValueError(f"{type(m).__name__} has an empty kernel {m.kernel_size}")
         return out.view(b, g, T, T)
 
     def chunks(self, per_sample: int | None = None) -> list[tuple[int, int]]:
