@@ -57,6 +57,9 @@ Levers:
 * ``conv-kept-rule``: the default mode instantiates a convolution's per-sample gradients only where they are no
   larger than what book-keeping keeps of the call, its unpadded input and output gradient
   (``ConvKind.instantiation_fits``); before: ``p d <= T (p + d)``, which counted the ``T x d`` patches as kept.
+* ``noise-in-place``: a clipped sum of more than ``fastdp.noise.NOISE_CHUNK`` numbers becomes its released gradient
+  in place, its noise drawn in chunks into one buffer; before: the noise drawn into a fresh tensor of the
+  parameter's size and the sum added to it. A memory lever (the same numbers on CPU).
 
 ``python benchmarks/levers.py --slack --models gpt2 roberta --widths paper --sizes 512 --batch 2`` (an option, not a
 lever: not adopted) compares the default mode's matrix-product FLOPs and peak live tensors, as ratios to
@@ -176,6 +179,10 @@ def _conv_sum_measure_before() -> contextlib.AbstractContextManager:
     return _patched([(conv_kind, "CLIPPED_SUM", "kernel")])
 
 
+def _noise_in_place_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.noise, "NOISE_CHUNK", 1 << 62)])
+
+
 def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
     return _patched([(conv_kind, "PIXEL_GRAMS", False)])
 
@@ -201,6 +208,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "conv-sum-measure": _conv_sum_measure_before,
     "conv-pixel-grams": _conv_pixel_grams_before,
     "conv-kept-rule": _conv_kept_rule_before,
+    "noise-in-place": _noise_in_place_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))

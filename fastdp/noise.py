@@ -34,14 +34,25 @@ def gaussian_noise(param: torch.Tensor, std: float, generator: torch.Generator |
     Raises:
         ValueError: if ``generator`` lives on another device than ``param``.
     """
-    dtype = noise_dtype(param)
-    if generator is not None and generator.device.type != param.device.type:
-        raise ValueError(f"noise_generator is on device {generator.device} but a parameter is on {param.device}; "
-                         f"create it with torch.Generator(device={str(param.device)!r})")
-    out = torch.empty(param.shape, dtype=dtype, device=param.device)
+    return _draw(torch.empty(param.shape, dtype=noise_dtype(param), device=param.device), std, generator)
+
+
+def _draw(out: torch.Tensor, std: float, generator: torch.Generator | None) -> torch.Tensor:
+    """``out`` filled with ``N(0, std^2)`` numbers (zeros for ``std == 0``) from ``generator``."""
+    if generator is not None and generator.device.type != out.device.type:
+        raise ValueError(f"noise_generator is on device {generator.device} but a parameter is on {out.device}; "
+                         f"create it with torch.Generator(device={str(out.device)!r})")
     if std == 0.0:
         return out.zero_()
     return out.normal_(0.0, std, generator=generator)
+
+
+#: a clipped sum of more numbers than this becomes its released gradient in place, its noise drawn in chunks of
+#: this many into one buffer (so the step holds one chunk more, not a second tensor of the parameter's size: the
+#: largest parameter, a vocabulary embedding, sets it). A multiple of 16: on CPU the chunks draw exactly the numbers
+#: one draw of the whole tensor would (torch fills normals in blocks of 16); on CUDA they are other numbers of the
+#: same distribution.
+NOISE_CHUNK = 1 << 20
 
 
 def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float, batch_size: int,
@@ -49,12 +60,36 @@ def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float
     """The released gradient ``(clipped_sum + std * xi) / batch_size``, cast to ``param``'s dtype.
 
     The noise is drawn already divided by ``batch_size`` and the clipped sum added in one fused pass.
-    ``clipped_sum=None`` means an empty batch (noise only).
+    ``clipped_sum=None`` means an empty batch (noise only). A contiguous clipped sum of more than
+    :data:`NOISE_CHUNK` numbers in the noise dtype and ``param``'s dtype and device is overwritten with the result
+    chunk by chunk (:func:`_noisy_mean_in_place`): the same numbers, one chunk of scratch.
     """
+    if (clipped_sum is not None and clipped_sum.numel() > NOISE_CHUNK and clipped_sum.is_contiguous()
+            and clipped_sum.shape == param.shape and clipped_sum.device == param.device
+            and clipped_sum.dtype == noise_dtype(param) == param.dtype and not clipped_sum.requires_grad):
+        return _noisy_mean_in_place(param, clipped_sum, std, batch_size, generator)
     grad = gaussian_noise(param, std / batch_size, generator)
     if clipped_sum is not None:
         grad.add_(clipped_sum.to(grad.dtype), alpha=1.0 / batch_size)
     return grad.to(param.dtype)
+
+
+def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: float, batch_size: int,
+                         generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`noisy_mean` written into ``clipped_sum`` (returned): per chunk of :data:`NOISE_CHUNK` numbers (the
+    last one merged into the one before when it would be shorter than 16), ``std * xi / batch_size`` drawn into a
+    buffer, the chunk of the sum added as :func:`noisy_mean` adds it, and the result copied back."""
+    flat = clipped_sum.view(-1)
+    n = flat.numel()
+    starts = list(range(0, n, NOISE_CHUNK))
+    if len(starts) > 1 and n - starts[-1] < 16:
+        starts.pop()
+    ends = starts[1:] + [n]
+    buf = torch.empty(max(e - s for s, e in zip(starts, ends, strict=True)), dtype=flat.dtype, device=flat.device)
+    for s, e in zip(starts, ends, strict=True):
+        noise = _draw(buf[:e - s], std / batch_size, generator)
+        flat[s:e].copy_(noise.add_(flat[s:e], alpha=1.0 / batch_size))
+    return clipped_sum
 
 
 #: CPU noise of one step is drawn on this many threads at once (torch's CPU ``normal_`` runs on one core); 1 draws

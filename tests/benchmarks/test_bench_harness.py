@@ -292,7 +292,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
         return (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
                 ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept,
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
-                conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits)
+                conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -303,7 +303,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "parallel-noise before", "conv-kernels before", "reused-scratch before",
                          "drop-as-summed before", "sum-order before", "shared-input-fits before",
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
-                         "conv-kept-rule before"}
+                         "conv-kept-rule before", "noise-in-place before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 
