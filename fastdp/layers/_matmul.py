@@ -43,7 +43,7 @@ def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
 #: the default mode (:func:`instantiation_fits`). 1: instantiation never holds more than book-keeping would. Above 1
 #: it trades memory for the ghost norm's Gram products (``python benchmarks/levers.py --slack``: at 1.25, GPT-2-small
 #: at T 512 ran 1.23x -> 1.07x non-private matrix-product FLOPs at an unchanged live peak, RoBERTa-base at T 512
-#: 1.23x -> 1.00x FLOPs but 1.03x -> 1.13x live peak); not adopted as the default, which keeps memory first.
+#: 1.23x -> 1.00x FLOPs but 1.01x -> 1.13x live peak); not adopted as the default, which keeps memory first.
 INSTANTIATION_SLACK = 1.0
 
 
