@@ -77,7 +77,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -104,16 +104,7 @@ def _gram_inner_before(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.reshape(B, 1, n), b.reshape(B, n, 1)).reshape(B)
 
 
-@contextlib.contextmanager
-def _patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    for obj, name, value in patches:
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
+_patched = zoo.patched
 
 
 def _fused_norms_before() -> contextlib.AbstractContextManager:

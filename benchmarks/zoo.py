@@ -24,9 +24,10 @@ same loss: cross-entropy, mean over the batch (classification) or over all B·T 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -295,6 +296,19 @@ def loss_fn(w: Workload) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return F.cross_entropy
 
 
+@contextlib.contextmanager
+def patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Within the context, each ``(owner, attribute, value)`` set; the previous values restored after."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
 def make_step(w: Workload, method: str, device: torch.device, seed: int = 0, lr: float = 1e-4,
               verify_structure: bool = True) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
     """Build the model and optimizer of one method and return ``step(batch)``: one full training step.
@@ -362,14 +376,8 @@ def make_step(w: Workload, method: str, device: torch.device, seed: int = 0, lr:
     switches = [(importlib.import_module(mod), attr, value) for mod, attr, value in MODULE_SWITCHES.get(method, [])]
 
     def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
-        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in switches]
-        for mod, attr, value in switches:
-            setattr(mod, attr, value)
-        try:
+        with patched(switches):
             plain_step(data)
-        finally:
-            for mod, attr, value in saved:
-                setattr(mod, attr, value)
 
     step.engine = engine  # type: ignore[attr-defined]  # (None for non-private methods; probe_stats for reports)
     return step

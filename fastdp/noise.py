@@ -60,11 +60,11 @@ def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float
     """The released gradient ``(clipped_sum + std * xi) / batch_size``, cast to ``param``'s dtype.
 
     The noise is drawn already divided by ``batch_size`` and the clipped sum added in one fused pass.
-    ``clipped_sum=None`` means an empty batch (noise only). A contiguous clipped sum of more than
+    ``clipped_sum=None`` means an empty batch (noise only). A contiguous clipped sum that owns its storage, of more than
     :data:`NOISE_CHUNK` numbers in the noise dtype and ``param``'s dtype and device is overwritten with the result
     chunk by chunk (:func:`_noisy_mean_in_place`): the same numbers, one chunk of scratch.
     """
-    if (clipped_sum is not None and clipped_sum.numel() > NOISE_CHUNK and clipped_sum.is_contiguous()
+    if (clipped_sum is not None and clipped_sum.numel() > NOISE_CHUNK and _owns_storage(clipped_sum)
             and clipped_sum.shape == param.shape and clipped_sum.device == param.device
             and clipped_sum.dtype == noise_dtype(param) == param.dtype and not clipped_sum.requires_grad):
         return _noisy_mean_in_place(param, clipped_sum, std, batch_size, generator)
@@ -72,6 +72,12 @@ def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float
     if clipped_sum is not None:
         grad.add_(clipped_sum.to(grad.dtype), alpha=1.0 / batch_size)
     return grad.to(param.dtype)
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous and covers its whole storage: no other tensor (a sharded bucket's other rows, a
+    buffer its version counter is shared with) sees what overwriting it changes."""
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: float, batch_size: int,

@@ -251,6 +251,21 @@ def test_fsdp_exact_two_ranks():
     spawn("exact_cases_worker", 2, cases=EXACT_TWO)
 
 
+def small_chunk_cases_worker(rank: int, world: int, cases: list[dict]) -> None:
+    """The exact cases with every clipped sum above a 4-number noise chunk (``fastdp.noise.NOISE_CHUNK``): sums
+    that own their storage are released in place, rows of a reduce-scattered bucket through a fresh tensor (their
+    version counter is the bucket's, which the leaked-gradient check reads)."""
+    from fastdp import noise
+
+    noise.NOISE_CHUNK = 4
+    exact_cases_worker(rank, world, cases)
+
+
+def test_fsdp_exact_with_in_place_release():
+    spawn("small_chunk_cases_worker", 2, cases=[dict(sizes=[[3, 2]]), dict(sizes=[[1, 3]], variant="blocks-only"),
+                                                dict(sizes=[[2, 1], [0, 2]])])
+
+
 def test_fsdp_exact_three_ranks():
     """N = 3: a rank with an empty shard; shards of one row (the head's 3 outputs) and of none (4 outputs)."""
     spawn("exact_cases_worker", 3, cases=[dict(sizes=[[2, 0, 3]]), dict(sizes=[[1, 1, 0], [0, 2, 1]], variant="head4")])

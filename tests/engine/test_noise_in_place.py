@@ -34,10 +34,10 @@ def test_in_place_release_is_bitwise_the_fresh_one(n, std, dtype, monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("case", ["small", "half", "strided", "grad"])
+@pytest.mark.parametrize("case", ["small", "half", "strided", "grad", "bucket view"])
 def test_sums_it_cannot_overwrite_keep_the_fresh_buffer(case, monkeypatch):
     """At most one chunk, a bfloat16 parameter (float32 sum, bfloat16 gradient), a non-contiguous sum, a sum that
-    requires grad: a fresh tensor, the same numbers."""
+    requires grad, a view into a larger buffer: a fresh tensor, the same numbers."""
     monkeypatch.setattr(noise, "NOISE_CHUNK", 16)
     param, total = torch.zeros(8, 40), torch.randn(8, 40)
     if case == "small":
@@ -48,6 +48,8 @@ def test_sums_it_cannot_overwrite_keep_the_fresh_buffer(case, monkeypatch):
         total = torch.randn(40, 8).t()
     elif case == "grad":
         total.requires_grad_(True)
+    elif case == "bucket view":  # rows of a larger buffer (a sharded bucket): others share its storage
+        total = torch.randn(2 * 320)[:320].view(8, 40)
     got = noise.noisy_mean(param, total, 1.0, 2, torch.Generator().manual_seed(5))
     assert got.data_ptr() != total.data_ptr() and got.shape == param.shape and got.dtype == param.dtype
     assert torch.equal(got, _fresh(param, total.detach(), 1.0, 2, seed=5))
