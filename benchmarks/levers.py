@@ -60,6 +60,11 @@ Levers:
 * ``noise-in-place``: a clipped sum of more than ``fastdp.noise.NOISE_CHUNK`` numbers becomes its released gradient
   in place, its noise drawn in chunks into one buffer; before: the noise drawn into a fresh tensor of the
   parameter's size and the sum added to it. A memory lever (the same numbers on CPU).
+* ``gram-strips``: a ghost norm's ``T x T`` Gram matrices formed as strips of ``fastdp.layers._matmul.GRAM_STRIP``
+  rows against the columns from the strip's first row on (the upper triangle by blocks, ``(K + 1) / 2K`` of the
+  multiply-adds for ``K`` strips), their inner product weighting the blocks above the diagonal twice; before: the
+  full Gram matrices. Changes nothing for ``T <= 64`` on CPU (one strip): measure it at long ``T`` (``--widths
+  paper --sizes 512 --batch 2``); ``--flops`` counts the multiply-adds.
 
 ``python benchmarks/levers.py --slack --models gpt2 roberta --widths paper --sizes 512 --batch 2`` (an option, not a
 lever: not adopted) compares the default mode's matrix-product FLOPs and peak live tensors, as ratios to
@@ -178,6 +183,10 @@ def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
     return _patched([(conv_kind, "PIXEL_GRAMS", False)])
 
 
+def _gram_strips_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": 1 << 30, "default": 1 << 30})])
+
+
 def _conv_fits_before(self: ConvKind, module: torch.nn.Module, ctx: object, name: str, readers: int = 1) -> bool:
     return name == "bias" or ctx.p * ctx.d <= ctx.T * (ctx.p + ctx.d)
 
@@ -200,6 +209,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "conv-pixel-grams": _conv_pixel_grams_before,
     "conv-kept-rule": _conv_kept_rule_before,
     "noise-in-place": _noise_in_place_before,
+    "gram-strips": _gram_strips_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))
@@ -246,6 +256,27 @@ def measure_memory(w: zoo.Workload, levers: list[str], warmup: int) -> dict[str,
             for _ in range(warmup):
                 step(data)
             out[name] = _live_peak_bytes(step, data)
+    return out
+
+
+def measure_flops(w: zoo.Workload, levers: list[str]) -> dict[str, int]:
+    """Matrix-product FLOPs of one step of each configuration, after one unmeasured step (deterministic: counted
+    from the shapes each operator ran at, ``workers.matmul_flops``)."""
+    from workers import matmul_flops
+
+    device = torch.device("cpu")
+    data = zoo.make_batch(w, device)
+    configs = {"non-private": ("non-private", contextlib.nullcontext),
+               "after": (zoo.DEFAULT_METHOD, contextlib.nullcontext)}
+    for lever in levers:
+        configs[f"{lever} before"] = (zoo.DEFAULT_METHOD, LEVERS[lever])
+    out = {}
+    for name, (method, ctx) in configs.items():
+        with ctx():
+            step = zoo.make_step(w, method, device)
+            step(data)
+            out[name] = matmul_flops(step, data)
+        del step
     return out
 
 
@@ -383,8 +414,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory", action="store_true", help="peak live-tensor growth of each configuration, not times")
     p.add_argument("--slack", action="store_true",
                    help="only FLOPs and live peak of the default mode at INSTANTIATION_SLACK 1 and 1.25")
-    p.add_argument("--widths", default="cpu", help="--slack: the width set of the workloads")
-    p.add_argument("--batch", type=int, default=None, help="--slack: the batch (default: the harness's)")
+    p.add_argument("--flops", action="store_true", help="matrix-product FLOPs of each configuration, not times")
+    p.add_argument("--widths", default="cpu", help="the width set of the workloads (benchmarks/zoo.py WIDTHS)")
+    p.add_argument("--batch", type=int, default=None, help="the batch (default: the harness's)")
     p.add_argument("--conv-ops", action="store_true",
                    help="only the convolution kind's operations on ResNet-18's layer shapes, every way (ms)")
     args = p.parse_args(argv)
@@ -419,8 +451,20 @@ def main(argv: list[str] | None = None) -> None:
         chosen = list(dict.fromkeys(zoo.Workload(m, 16, 2, "tiny") for m, _ in workloads))
         reps, warmup = 1, 0
     else:
-        chosen = [zoo.Workload(m, s, zoo.default_batch(m, s, "cpu")) for m, s in workloads]
+        chosen = [zoo.Workload(m, s, args.batch or zoo.default_batch(m, s, args.widths), args.widths)
+                  for m, s in workloads]
         reps, warmup = args.reps, args.warmup
+    if args.flops:
+        for w in chosen:
+            flops = {k: v / 1e9 for k, v in measure_flops(w, args.levers).items()}
+            base = flops["non-private"]
+            cells = [f"{base:.1f} GFLOP"] + [f"{flops[f'{lv} before'] / base:.3f}x" for lv in args.levers]
+            cells += [f"{flops['after'] / base:.3f}x"]
+            cells += [f"{flops[f'{lv} before'] / flops['after']:.3f}" for lv in args.levers]
+            print(f"| {w.tag} | {' | '.join(cells)} |", flush=True)
+            results[w.tag] = flops
+        _save(args, "gflop", results)
+        return
     if args.memory:
         for w in chosen:
             live = {k: v / 2**20 for k, v in measure_memory(w, args.levers, max(warmup, 1)).items()}

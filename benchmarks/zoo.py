@@ -15,8 +15,9 @@ A *method* is how one training step is taken:
   instantiated by hooks, or its two-backward ghost clipping;
 * variants of the default mode for A/B measurements (``VARIANTS``): ``fastdp BK-MixOpt, on arrival off``
   (instantiation on arrival switched off, docs/internals/clipping.md), ``fastdp BK-MixOpt, no probe``
-  (``verify_structure=False``) and ``fastdp BK-MixOpt, slack 1.25`` (``fastdp.layers._matmul.INSTANTIATION_SLACK``
-  1.25 during its steps, ``MODULE_SWITCHES``).
+  (``verify_structure=False``), ``fastdp BK-MixOpt, slack 1.25`` (``fastdp.layers._matmul.INSTANTIATION_SLACK``
+  1.25 during its steps, ``MODULE_SWITCHES``) and ``fastdp BK-MixOpt, full Grams`` (ghost norms from whole ``T x T``
+  Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP`` unbounded).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -46,11 +47,13 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, on arrival off": ({}, {"_capture.on_arrival": False}),
     f"{DEFAULT_METHOD}, no probe": ({"verify_structure": False}, {}),
     f"{DEFAULT_METHOD}, slack 1.25": ({}, {}),
+    f"{DEFAULT_METHOD}, full Grams": ({}, {}),
 }
 #: A/B variants that set a fastdp module constant for the duration of each of their steps: method -> [(module,
 #: attribute, value)]
 MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     f"{DEFAULT_METHOD}, slack 1.25": [("fastdp.layers._matmul", "INSTANTIATION_SLACK", 1.25)],
+    f"{DEFAULT_METHOD}, full Grams": [("fastdp.layers._matmul", "GRAM_STRIP", {"cpu": 1 << 30, "default": 1 << 30})],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS)

@@ -62,14 +62,51 @@ def per_sample_grad(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
 
 
 def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch.Tensor:
-    """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices. ``share``: the input Gram may
-    come from (and go to) the cache of :func:`shared_input_grams` (only for an ``A`` that stays alive for the whole
-    pass: the cache is keyed by its storage)."""
+    """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices in strips
+    (:func:`gram_strips`, :func:`strips_inner`). ``share``: the input Gram may come from (and go to) the cache of
+    :func:`shared_input_grams` (only for an ``A`` that stays alive for the whole pass: the cache is keyed by its
+    storage)."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
         return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
-    aat = input_gram(A) if share else torch.matmul(A, A.transpose(-1, -2))
-    ggt = torch.matmul(G, G.transpose(-1, -2))
-    return _factored.gram_inner(aat, ggt)
+    aat = input_grams(A) if share else gram_strips(A)
+    return strips_inner(aat, gram_strips(G))
+
+
+#: rows per strip of a ``T x T`` Gram matrix (:func:`gram_strips`), by device type (others: ``"default"``)
+GRAM_STRIP = {"cpu": 64, "default": 128}
+
+
+def strip_rows(X: torch.Tensor) -> int:
+    """The strip height for ``X``'s device (:data:`GRAM_STRIP`)."""
+    return GRAM_STRIP.get(X.device.type, GRAM_STRIP["default"])
+
+
+def gram_strips(X: torch.Tensor) -> list[torch.Tensor]:
+    """The upper triangle of ``X_i X_i^T`` (``X`` ``(B, g, T, m)``) by strips of ``b`` = :func:`strip_rows` rows:
+    strip ``k`` is rows ``[kb, kb + b)`` against columns ``[kb, T)``, ``(B, g, b_k, T - kb)``. A Gram matrix is
+    symmetric, so the strips hold everything; they take ``(K + 1) / 2K`` of the full product's multiply-adds for
+    ``K = ceil(T / b)`` strips (``T = 512``, ``b = 64``: 56 %), and the largest is ``b x T``, not ``T x T``. For
+    ``T <= b``: one strip, the full Gram matrix."""
+    T, b = X.shape[2], strip_rows(X)
+    if T <= b:
+        return [torch.matmul(X, X.transpose(-1, -2))]
+    return [torch.matmul(X[:, :, lo:lo + b], X[:, :, lo:].transpose(-1, -2)) for lo in range(0, T, b)]
+
+
+def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
+    """``<P_i, Q_i>`` per sample (summed over groups), shape ``(B,)``, of two symmetric Gram matrices given as
+    :func:`gram_strips` of one strip height: each strip's leading ``b_k x b_k`` block (on the diagonal) counts once,
+    the rest of the strip (above the diagonal) twice, for its mirror image below."""
+    if len(P) == 1:
+        return _factored.gram_inner(P[0], Q[0])
+    total = None
+    for p, q in zip(P, Q, strict=True):
+        n = p.shape[2]
+        term = torch.linalg.vecdot(p[..., :n], q[..., :n], dim=-1).sum(dim=(1, 2))
+        if p.shape[3] > n:
+            term = term + 2.0 * torch.linalg.vecdot(p[..., n:], q[..., n:], dim=-1).sum(dim=(1, 2))
+        total = term if total is None else total + term
+    return total
 
 
 #: the input Gram matrices of one clipping pass, keyed by the input's storage and view (None: no sharing)
@@ -91,18 +128,18 @@ def shared_input_grams() -> Iterator[None]:
         _input_grams.reset(token)
 
 
-def input_gram(A: torch.Tensor) -> torch.Tensor:
-    """``A_i A_i^T`` per sample and group, ``(B, g, T, T)``, from the pass's cache when the same input (same
-    storage, offset, shape, strides, dtype and version counter) was the latest one seen."""
+def input_grams(A: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`gram_strips` of ``A`` (``A_i A_i^T`` per sample and group), from the pass's cache when the same input
+    (same storage, offset, shape, strides, dtype and version counter) was the latest one seen."""
     cache = _input_grams.get()
     if cache is None:
-        return torch.matmul(A, A.transpose(-1, -2))
+        return gram_strips(A)
     key = (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version)
-    gram = cache.get(key)
-    if gram is None:
+    strips = cache.get(key)
+    if strips is None:
         cache.clear()  # free the previous input's Gram before forming this one
-        gram = cache[key] = torch.matmul(A, A.transpose(-1, -2))
-    return gram
+        strips = cache[key] = gram_strips(A)
+    return strips
 
 
 #: the scratch buffers of one clipping pass's clipped sums, keyed by dtype and device (None: no reuse)

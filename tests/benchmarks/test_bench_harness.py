@@ -176,6 +176,16 @@ def test_variants_set_their_switches():
         matmul.instantiation_fits = real
     assert seen and set(seen) == {1.25} and matmul.INSTANTIATION_SLACK == 1.0  # set for its steps only
 
+    strips = []
+    full = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, full Grams", torch.device("cpu"))
+    real_strips = matmul.gram_strips
+    try:
+        matmul.gram_strips = lambda X: strips.append(matmul.strip_rows(X)) or real_strips(X)
+        full(zoo.make_batch(w, torch.device("cpu")))
+    finally:
+        matmul.gram_strips = real_strips
+    assert strips and set(strips) == {1 << 30} and matmul.GRAM_STRIP["cpu"] == 64  # whole Grams for its steps only
+
 
 def test_workload_refuses_a_width_set_without_the_model():
     with pytest.raises(ValueError, match="width set 'wide' has no 'vit'"):
@@ -292,7 +302,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
         return (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
                 ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept,
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
-                conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK)
+                conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
+                dict(fastdp.layers._matmul.GRAM_STRIP))
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -303,9 +314,31 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "parallel-noise before", "conv-kernels before", "reused-scratch before",
                          "drop-as-summed before", "sum-order before", "shared-input-fits before",
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
-                         "conv-kept-rule before", "noise-in-place before"}
+                         "conv-kept-rule before", "noise-in-place before", "gram-strips before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
+
+
+def test_levers_flops_mode_counts_the_strips_saving(capsys, tmp_path):
+    """``--flops``: matrix-product FLOPs per configuration. At T 8 with strips of 4 rows the LM head's ghost norm
+    (vocabulary 50, width 16: ``2 T^2 < p d`` and ``p d > T (p + d)``) forms its Gram matrices as two strips, 3/4 of
+    the whole ones' multiply-adds, so the default mode executes fewer FLOPs than with whole Grams
+    (``gram-strips before``); the switch is restored."""
+    import levers
+
+    import fastdp.layers._matmul as matmul
+
+    real = dict(matmul.GRAM_STRIP)
+    matmul.GRAM_STRIP["cpu"] = 4
+    try:
+        levers.main(["--flops", "--levers", "gram-strips", "--models", "tinylm", "--sizes", "8", "--widths", "tiny",
+                     "--batch", "2", "--json", str(tmp_path / "f.json")])
+    finally:
+        matmul.GRAM_STRIP.update(real)
+    flops = json.loads((tmp_path / "f.json").read_text())["gflop"]["tinylm-tiny-T8-B2"]
+    assert set(flops) == {"non-private", "after", "gram-strips before"}
+    assert flops["after"] < flops["gram-strips before"] and flops["non-private"] < flops["gram-strips before"]
+    assert "gram-strips gain" in capsys.readouterr().out and matmul.GRAM_STRIP == real
 
 
 def test_levers_memory_mode_runs_and_restores(capsys, tmp_path):

@@ -90,15 +90,15 @@ class Attention(nn.Module):
 def gram_calls(monkeypatch):
     """Count the input Grams formed and the ones taken from the cache."""
     counts = {"formed": 0, "shared": 0}
-    real_input_gram = _matmul.input_gram
+    real_input_grams = _matmul.input_grams
 
     def counting(A):
         cache = _matmul._input_grams.get()
         key = None if cache is None else (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version)
         counts["shared" if key is not None and key in cache else "formed"] += 1
-        return real_input_gram(A)
+        return real_input_grams(A)
 
-    monkeypatch.setattr(_matmul, "input_gram", counting)
+    monkeypatch.setattr(_matmul, "input_grams", counting)
     return counts
 
 
@@ -125,14 +125,97 @@ def test_the_gram_cache_lives_for_one_pass_only():
     A = torch.randn(2, 1, 3, 4)
     assert _matmul._input_grams.get() is None
     with _matmul.shared_input_grams():
-        first = _matmul.input_gram(A)
-        assert _matmul.input_gram(A) is first  # same tensor: the cached Gram
+        first = _matmul.input_grams(A)
+        assert _matmul.input_grams(A) is first  # same tensor: the cached Gram
         A.mul_(2)  # an in-place change bumps the version counter: a new Gram, not the stale one
-        torch.testing.assert_close(_matmul.input_gram(A), A @ A.transpose(-1, -2))
-        assert _matmul.input_gram(A.clone()) is not first  # another storage
+        torch.testing.assert_close(_matmul.input_grams(A)[0], A @ A.transpose(-1, -2))
+        assert _matmul.input_grams(A.clone()) is not first  # another storage
         assert len(_matmul._input_grams.get()) == 1  # only the latest input's Gram is held
         other = torch.randn(2, 1, 5, 4)
-        _matmul.input_gram(other)
-        assert list(_matmul._input_grams.get().values())[0].shape == (2, 1, 5, 5)
+        _matmul.input_grams(other)
+        assert list(_matmul._input_grams.get().values())[0][0].shape == (2, 1, 5, 5)
     assert _matmul._input_grams.get() is None  # freed with the context
-    assert _matmul.input_gram(A) is not _matmul.input_gram(A)  # outside: never cached
+    assert _matmul.input_grams(A) is not _matmul.input_grams(A)  # outside: never cached
+
+
+# ---------------------------------------------------------------------------------------------- Gram strips
+@pytest.mark.parametrize("T,b", [(1, 4), (4, 4), (5, 4), (8, 4), (9, 4), (13, 3), (7, 1), (0, 4), (64, 64),
+                                 (65, 64), (300, 64)])
+@pytest.mark.parametrize("B,g", [(3, 1), (2, 3), (0, 1), (1, 2)])
+def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, monkeypatch):
+    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": b, "default": b})
+    gen = torch.Generator().manual_seed(T * 31 + b)
+    A = torch.randn(B, g, T, 5, generator=gen, dtype=torch.float64)
+    G = torch.randn(B, g, T, 7, generator=gen, dtype=torch.float64)
+    strips = _matmul.gram_strips(A)
+    assert len(strips) == max(1, math.ceil(T / b)) if T > b else len(strips) == 1
+    full = A @ A.transpose(-1, -2)
+    for k, s in enumerate(strips if T > b else []):  # each strip: rows [kb, kb + b) against columns [kb, T)
+        torch.testing.assert_close(s, full[:, :, k * b:k * b + b, k * b:], rtol=1e-13, atol=1e-13)
+    want = (full * (G @ G.transpose(-1, -2))).sum(dim=(1, 2, 3))
+    got = _matmul.strips_inner(strips, _matmul.gram_strips(G))
+    assert got.shape == (B,)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # the ghost norm itself: ||G_i^T A_i||_F^2 summed over groups
+    psg = torch.einsum("bgtp,bgtd->bgpd", G, A)
+    torch.testing.assert_close(_matmul.ghost_norm_sq(A, G, share=False), psg.square().sum(dim=(1, 2, 3)),
+                               rtol=1e-11, atol=1e-11)
+
+
+def test_gram_strips_take_fewer_multiply_adds():
+    # T = 4 b: the four strips take (4 + 1) / (2 * 4) = 5/8 of the full product's multiply-adds
+    from torch.utils.flop_counter import FlopCounterMode
+
+    A = torch.randn(2, 1, 256, 32)
+
+    def flops(f):
+        with FlopCounterMode(display=False) as fc:
+            f()
+        return fc.get_total_flops()
+
+    full = flops(lambda: torch.matmul(A, A.transpose(-1, -2)))
+    strips = flops(lambda: _matmul.gram_strips(A))
+    assert _matmul.strip_rows(A) == 64 and strips * 8 == full * 5, (strips, full)
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost"])
+@pytest.mark.parametrize("B", [1, 5, 6])  # B = 6 = T
+def test_engine_with_gram_strips_matches_the_oracle(mode, B, monkeypatch):
+    # strips of 2 rows over T = 6 positions (3 strips), q/k/v sharing one input's strips, a conv over 9 positions
+    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": 2, "default": 2})
+    torch.manual_seed(1)
+    model = Attention(16).double()
+    gen = torch.Generator().manual_seed(B)
+    x = torch.randn(B, 6, 16, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (B, 6), generator=gen)
+    want = oracle_release(model, ce_per_sample, [(x, y)], fn="abadi", R=0.05, batch_size=B)
+    _, _, got = run_engine_once(model, ce_per_sample, [(x, y)], batch_size=B, R=0.05, fn="abadi", style="all-layer",
+                                mode=mode, reduction="mean", verify_structure=False)
+    assert_grads_close(got, want)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).flatten(1)).unsqueeze(1)  # (B, 1, 4)
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_conv_patch_gram_in_strips_matches_the_oracle(B, monkeypatch):
+    from fastdp.layers.kinds import conv as conv_kind
+
+    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": 4, "default": 4})
+    monkeypatch.setattr(conv_kind, "PIXEL_GRAMS", False)  # the patches' Gram, in strips of 4 of the 9 positions
+    torch.manual_seed(2)
+    model = _ConvNet().double()
+    gen = torch.Generator().manual_seed(B)
+    x = torch.randn(B, 3, 3, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (B, 1), generator=gen)
+    want = oracle_release(model, ce_per_sample, [(x, y)], fn="abadi", R=0.05, batch_size=B)
+    _, _, got = run_engine_once(model, ce_per_sample, [(x, y)], batch_size=B, R=0.05, fn="abadi", style="all-layer",
+                                mode="BK-ghost", reduction="mean", verify_structure=False)
+    assert_grads_close(got, want)
