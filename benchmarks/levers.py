@@ -60,11 +60,14 @@ Levers:
 * ``noise-in-place``: a clipped sum of more than ``fastdp.noise.NOISE_CHUNK`` numbers becomes its released gradient
   in place, its noise drawn in chunks into one buffer; before: the noise drawn into a fresh tensor of the
   parameter's size and the sum added to it. A memory lever (the same numbers on CPU).
-* ``gram-strips``: a ghost norm's ``T x T`` Gram matrices formed as strips of ``fastdp.layers._matmul.GRAM_STRIP``
-  rows against the columns from the strip's first row on (the upper triangle by blocks, ``(K + 1) / 2K`` of the
-  multiply-adds for ``K`` strips), their inner product weighting the blocks above the diagonal twice; before: the
-  full Gram matrices. Changes nothing for ``T <= 64`` on CPU (one strip): measure it at long ``T`` (``--widths
-  paper --sizes 512 --batch 2``); ``--flops`` counts the multiply-adds.
+* ``gram-strips``: a ghost norm's ``T x T`` Gram matrices formed as ``K`` strips of rows against the columns from the
+  strip's first row on (the upper triangle by blocks, ``(K + 1) / 2K`` of the multiply-adds;
+  ``fastdp.layers._matmul.GRAM_STRIP``), their inner product weighting the blocks above the diagonal twice; before:
+  the full Gram matrices. ``--flops`` counts the multiply-adds; ``--widths paper --sizes 512 --batch 2`` measures
+  it where the ghost norms are long.
+
+``python benchmarks/levers.py --gram-ops`` times the ghost norm's Gram products with 1 (whole), 2, 4, 8 and 16 strips on
+a few layer shapes (``fastdp.layers._matmul.GRAM_STRIP`` is chosen from it).
 
 ``python benchmarks/levers.py --slack --models gpt2 roberta --widths paper --sizes 512 --batch 2`` (an option, not a
 lever: not adopted) compares the default mode's matrix-product FLOPs and peak live tensors, as ratios to
@@ -184,7 +187,7 @@ def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
 
 
 def _gram_strips_before() -> contextlib.AbstractContextManager:
-    return _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": 1 << 30, "default": 1 << 30})])
+    return _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})])
 
 
 def _conv_fits_before(self: ConvKind, module: torch.nn.Module, ctx: object, name: str, readers: int = 1) -> bool:
@@ -393,6 +396,40 @@ def slack_ab(workloads: list[zoo.Workload], slacks: tuple[float, ...] = (1.0, 1.
     return out
 
 
+#: (B, T, d, p) of ghost-norm layers: the CPU-width workloads' (T 64 to 256, d 256, p 256 / 1024 / the LM head's
+#: 8000) and the paper widths' at batch 2 (GPT-2-small's c_fc at T 512, a narrow layer at T 1024)
+GRAM_SHAPES = ((32, 64, 256, 256), (32, 64, 256, 1024), (16, 128, 256, 256), (16, 128, 256, 1024),
+               (8, 256, 256, 8000), (2, 512, 768, 3072), (2, 1024, 256, 1024))
+
+
+def gram_ops_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = GRAM_SHAPES,
+                counts: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[dict[str, object]]:
+    """The ghost norm's Gram products and their inner product (``strips_inner(gram_strips(A), gram_strips(G))``)
+    with ``K`` strips for each ``K`` in ``counts`` (1: the whole Gram matrices; only strips of at least 16 rows),
+    alternating calls, median milliseconds per layer shape."""
+    rows = []
+    for B, T, d, p in shapes:
+        gen = torch.Generator().manual_seed(0)
+        A = torch.randn(B, 1, T, d, generator=gen)
+        G = torch.randn(B, 1, T, p, generator=gen)
+        ks = [k for k in counts if T // k >= 16]
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for r in range(reps + 1):
+            for k in ks[r % len(ks):] + ks[:r % len(ks)]:
+                with _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": (1, k), "default": (1, k)})]):
+                    t0 = time.perf_counter()
+                    _matmul.strips_inner(_matmul.gram_strips(A), _matmul.gram_strips(G))
+                    if r:
+                        times[k].append(time.perf_counter() - t0)
+        row: dict[str, object] = {"shape": f"B {B}, T {T}, d {d}, p {p}"}
+        row.update({f"K {k}": 1e3 * statistics.median(ts) for k, ts in times.items()})
+        rows.append(row)
+        cells = [f"{row[f'K {k}']:.2f} ({row[f'K {k}'] / row['K 1']:.2f}x)" if f"K {k}" in row else "-"
+                 for k in counts]
+        print("| " + " | ".join([str(row["shape"])] + cells) + " |", flush=True)
+    return rows
+
+
 def _save(args: argparse.Namespace, key: str, rows: object) -> None:
     """Write ``rows`` under ``key`` to ``--json`` (when given), with the thread count and torch version."""
     if args.json:
@@ -419,8 +456,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=None, help="the batch (default: the harness's)")
     p.add_argument("--conv-ops", action="store_true",
                    help="only the convolution kind's operations on ResNet-18's layer shapes, every way (ms)")
+    p.add_argument("--gram-ops", action="store_true",
+                   help="only the ghost norm's Gram products with 1, 2, 4, 8, 16 strips on a few layer shapes (ms)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gram_ops:
+        print("| layer | whole | 2 strips | 4 strips | 8 strips | 16 strips |")
+        print("|---" * 6 + "|")
+        _save(args, "ms", gram_ops_ab(args.reps))
+        return
     if args.slack:
         print("| workload | FLOPs, slack 1 | live, slack 1 | FLOPs, slack 1.25 | live, slack 1.25 |")
         print("|---|---|---|---|---|")

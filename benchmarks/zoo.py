@@ -53,7 +53,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
 #: attribute, value)]
 MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     f"{DEFAULT_METHOD}, slack 1.25": [("fastdp.layers._matmul", "INSTANTIATION_SLACK", 1.25)],
-    f"{DEFAULT_METHOD}, full Grams": [("fastdp.layers._matmul", "GRAM_STRIP", {"cpu": 1 << 30, "default": 1 << 30})],
+    f"{DEFAULT_METHOD}, full Grams": [("fastdp.layers._matmul", "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS)

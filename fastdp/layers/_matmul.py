@@ -72,25 +72,32 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch
     return strips_inner(aat, gram_strips(G))
 
 
-#: rows per strip of a ``T x T`` Gram matrix (:func:`gram_strips`), by device type (others: ``"default"``)
-GRAM_STRIP = {"cpu": 64, "default": 128}
+#: how :func:`gram_strips` cuts a ``T x T`` Gram matrix, by device type (others: ``"default"``): ``(h, K)``, strips of
+#: at least ``h`` rows and at most ``K`` of them. On a 2-core CPU (``python benchmarks/levers.py --gram-ops``,
+#: benchmarks/results/gram_strips/gram_ops.json) a ghost norm's two Gram products and their inner product took
+#: 0.61-0.95x the whole matrices' time at T 64 to 1024 with this rule (2 strips at T 64, 4 from T 128); 8 or 16 strips
+#: gained little more at T 512 and 1024 and lost at T 128 and 256. The GPU's (128, 8) is not measured.
+GRAM_STRIP = {"cpu": (32, 4), "default": (128, 8)}
 
 
-def strip_rows(X: torch.Tensor) -> int:
-    """The strip height for ``X``'s device (:data:`GRAM_STRIP`)."""
-    return GRAM_STRIP.get(X.device.type, GRAM_STRIP["default"])
+def strip_count(X: torch.Tensor) -> int:
+    """``K = min(K_max, T // h)`` (at least 1) strips for ``X`` ``(B, g, T, m)`` on its device (:data:`GRAM_STRIP`)."""
+    h, k_max = GRAM_STRIP.get(X.device.type, GRAM_STRIP["default"])
+    return max(1, min(k_max, X.shape[2] // h))
 
 
 def gram_strips(X: torch.Tensor) -> list[torch.Tensor]:
-    """The upper triangle of ``X_i X_i^T`` (``X`` ``(B, g, T, m)``) by strips of ``b`` = :func:`strip_rows` rows:
-    strip ``k`` is rows ``[kb, kb + b)`` against columns ``[kb, T)``, ``(B, g, b_k, T - kb)``. A Gram matrix is
-    symmetric, so the strips hold everything; they take ``(K + 1) / 2K`` of the full product's multiply-adds for
-    ``K = ceil(T / b)`` strips (``T = 512``, ``b = 64``: 56 %), and the largest is ``b x T``, not ``T x T``. For
-    ``T <= b``: one strip, the full Gram matrix."""
-    T, b = X.shape[2], strip_rows(X)
-    if T <= b:
+    """The upper triangle of ``X_i X_i^T`` (``X`` ``(B, g, T, m)``) by ``K`` = :func:`strip_count` strips of about
+    equal height ``h = ceil(T / K)``: strip ``k`` is rows ``[kh, kh + h)`` against columns ``[kh, T)``,
+    ``(B, g, h_k, T - kh)``. A Gram matrix is symmetric, so the strips hold everything; they take about
+    ``(K + 1) / 2K`` of the full product's multiply-adds (5/8 for 4 strips), and the largest is ``h x T``, not
+    ``T x T``. ``K = 1``: the full Gram matrix."""
+    T = X.shape[2]
+    K = strip_count(X)
+    if K == 1:
         return [torch.matmul(X, X.transpose(-1, -2))]
-    return [torch.matmul(X[:, :, lo:lo + b], X[:, :, lo:].transpose(-1, -2)) for lo in range(0, T, b)]
+    h = -(-T // K)
+    return [torch.matmul(X[:, :, lo:lo + h], X[:, :, lo:].transpose(-1, -2)) for lo in range(0, T, h)]
 
 
 def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:

@@ -180,11 +180,11 @@ def test_variants_set_their_switches():
     full = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, full Grams", torch.device("cpu"))
     real_strips = matmul.gram_strips
     try:
-        matmul.gram_strips = lambda X: strips.append(matmul.strip_rows(X)) or real_strips(X)
+        matmul.gram_strips = lambda X: strips.append(matmul.strip_count(X)) or real_strips(X)
         full(zoo.make_batch(w, torch.device("cpu")))
     finally:
         matmul.gram_strips = real_strips
-    assert strips and set(strips) == {1 << 30} and matmul.GRAM_STRIP["cpu"] == 64  # whole Grams for its steps only
+    assert strips and set(strips) == {1} and matmul.GRAM_STRIP["cpu"] == (32, 4)  # whole Grams for its steps only
 
 
 def test_workload_refuses_a_width_set_without_the_model():
@@ -329,7 +329,7 @@ def test_levers_flops_mode_counts_the_strips_saving(capsys, tmp_path):
     import fastdp.layers._matmul as matmul
 
     real = dict(matmul.GRAM_STRIP)
-    matmul.GRAM_STRIP["cpu"] = 4
+    matmul.GRAM_STRIP["cpu"] = (4, 8)
     try:
         levers.main(["--flops", "--levers", "gram-strips", "--models", "tinylm", "--sizes", "8", "--widths", "tiny",
                      "--batch", "2", "--json", str(tmp_path / "f.json")])
@@ -339,6 +339,17 @@ def test_levers_flops_mode_counts_the_strips_saving(capsys, tmp_path):
     assert set(flops) == {"non-private", "after", "gram-strips before"}
     assert flops["after"] < flops["gram-strips before"] and flops["non-private"] < flops["gram-strips before"]
     assert "gram-strips gain" in capsys.readouterr().out and matmul.GRAM_STRIP == real
+
+
+def test_levers_gram_ops_times_every_strip_count_and_restores(capsys):
+    import levers
+
+    import fastdp.layers._matmul as matmul
+
+    real = dict(matmul.GRAM_STRIP)
+    rows = levers.gram_ops_ab(1, shapes=((2, 40, 3, 5),), counts=(1, 2, 4))  # 4 strips of 10 rows: under 16, left out
+    assert [set(r) for r in rows] == [{"shape", "K 1", "K 2"}] and matmul.GRAM_STRIP == real
+    assert "| B 2, T 40, d 3, p 5 |" in capsys.readouterr().out
 
 
 def test_levers_memory_mode_runs_and_restores(capsys, tmp_path):

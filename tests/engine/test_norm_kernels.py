@@ -139,19 +139,21 @@ def test_the_gram_cache_lives_for_one_pass_only():
 
 
 # ---------------------------------------------------------------------------------------------- Gram strips
-@pytest.mark.parametrize("T,b", [(1, 4), (4, 4), (5, 4), (8, 4), (9, 4), (13, 3), (7, 1), (0, 4), (64, 64),
-                                 (65, 64), (300, 64)])
+@pytest.mark.parametrize("T,b", [(1, 4), (4, 4), (5, 4), (7, 4), (8, 4), (9, 4), (13, 3), (7, 1), (0, 4), (64, 64),
+                                 (65, 64), (127, 64), (128, 64), (300, 64)])
 @pytest.mark.parametrize("B,g", [(3, 1), (2, 3), (0, 1), (1, 2)])
 def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, monkeypatch):
-    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": b, "default": b})
+    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (b, 1 << 30), "default": (b, 1 << 30)})
     gen = torch.Generator().manual_seed(T * 31 + b)
     A = torch.randn(B, g, T, 5, generator=gen, dtype=torch.float64)
     G = torch.randn(B, g, T, 7, generator=gen, dtype=torch.float64)
     strips = _matmul.gram_strips(A)
-    assert len(strips) == max(1, math.ceil(T / b)) if T > b else len(strips) == 1
+    K = max(1, T // b)  # strips of equal height ceil(T / K); one (the whole Gram) below 2b rows
+    h = -(-T // K) if T else 0
+    assert len(strips) == (1 if K == 1 else -(-T // h))
     full = A @ A.transpose(-1, -2)
-    for k, s in enumerate(strips if T > b else []):  # each strip: rows [kb, kb + b) against columns [kb, T)
-        torch.testing.assert_close(s, full[:, :, k * b:k * b + b, k * b:], rtol=1e-13, atol=1e-13)
+    for k, s in enumerate(strips):  # each strip: rows [kh, kh + h) against columns [kh, T)
+        torch.testing.assert_close(s, full if K == 1 else full[:, :, k * h:k * h + h, k * h:], rtol=1e-13, atol=1e-13)
     want = (full * (G @ G.transpose(-1, -2))).sum(dim=(1, 2, 3))
     got = _matmul.strips_inner(strips, _matmul.gram_strips(G))
     assert got.shape == (B,)
@@ -163,7 +165,8 @@ def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, monkeypatch):
 
 
 def test_gram_strips_take_fewer_multiply_adds():
-    # T = 4 b: the four strips take (4 + 1) / (2 * 4) = 5/8 of the full product's multiply-adds
+    # T 256, at most 4 strips of at least 32 rows: four strips of 64 take (4 + 1) / (2 * 4) = 5/8 of the full
+    # product's multiply-adds
     from torch.utils.flop_counter import FlopCounterMode
 
     A = torch.randn(2, 1, 256, 32)
@@ -175,14 +178,15 @@ def test_gram_strips_take_fewer_multiply_adds():
 
     full = flops(lambda: torch.matmul(A, A.transpose(-1, -2)))
     strips = flops(lambda: _matmul.gram_strips(A))
-    assert _matmul.strip_rows(A) == 64 and strips * 8 == full * 5, (strips, full)
+    assert _matmul.strip_count(A) == 4 and strips * 8 == full * 5, (strips, full)
+    assert _matmul.strip_count(A[:, :, :63]) == 1 and _matmul.strip_count(A[:, :, :64]) == 2  # T // 32, at least 1
 
 
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost"])
 @pytest.mark.parametrize("B", [1, 5, 6])  # B = 6 = T
 def test_engine_with_gram_strips_matches_the_oracle(mode, B, monkeypatch):
     # strips of 2 rows over T = 6 positions (3 strips), q/k/v sharing one input's strips, a conv over 9 positions
-    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": 2, "default": 2})
+    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (2, 8), "default": (2, 8)})
     torch.manual_seed(1)
     model = Attention(16).double()
     gen = torch.Generator().manual_seed(B)
@@ -208,7 +212,7 @@ class _ConvNet(nn.Module):
 def test_conv_patch_gram_in_strips_matches_the_oracle(B, monkeypatch):
     from fastdp.layers.kinds import conv as conv_kind
 
-    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": 4, "default": 4})
+    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (4, 8), "default": (4, 8)})
     monkeypatch.setattr(conv_kind, "PIXEL_GRAMS", False)  # the patches' Gram, in strips of 4 of the 9 positions
     torch.manual_seed(2)
     model = _ConvNet().double()
