@@ -403,25 +403,29 @@ GRAM_SHAPES = ((32, 64, 256, 256), (32, 64, 256, 1024), (16, 128, 256, 256), (16
 
 
 def gram_ops_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = GRAM_SHAPES,
-                counts: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[dict[str, object]]:
+                counts: tuple[int, ...] = (1, 2, 4, 8, 16), device: str = "cpu") -> list[dict[str, object]]:
     """The ghost norm's Gram products and their inner product (``strips_inner(gram_strips(A), gram_strips(G))``)
     with ``K`` strips for each ``K`` in ``counts`` (1: the whole Gram matrices; only strips of at least 16 rows),
-    alternating calls, median milliseconds per layer shape."""
+    alternating calls, median milliseconds per layer shape, float32 on ``device`` (synchronised on CUDA)."""
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
     for B, T, d, p in shapes:
         gen = torch.Generator().manual_seed(0)
-        A = torch.randn(B, 1, T, d, generator=gen)
-        G = torch.randn(B, 1, T, p, generator=gen)
+        A = torch.randn(B, 1, T, d, generator=gen).to(dev)
+        G = torch.randn(B, 1, T, p, generator=gen).to(dev)
         ks = [k for k in counts if T // k >= 16]
         times: dict[int, list[float]] = {k: [] for k in ks}
         for r in range(reps + 1):
             for k in ks[r % len(ks):] + ks[:r % len(ks)]:
                 with _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": (1, k), "default": (1, k)})]):
+                    sync()
                     t0 = time.perf_counter()
                     _matmul.strips_inner(_matmul.gram_strips(A), _matmul.gram_strips(G))
+                    sync()
                     if r:
                         times[k].append(time.perf_counter() - t0)
-        row: dict[str, object] = {"shape": f"B {B}, T {T}, d {d}, p {p}"}
+        row: dict[str, object] = {"shape": f"B {B}, T {T}, d {d}, p {p}", "device": str(dev)}
         row.update({f"K {k}": 1e3 * statistics.median(ts) for k, ts in times.items()})
         rows.append(row)
         cells = [f"{row[f'K {k}']:.2f} ({row[f'K {k}'] / row['K 1']:.2f}x)" if f"K {k}" in row else "-"
@@ -458,12 +462,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="only the convolution kind's operations on ResNet-18's layer shapes, every way (ms)")
     p.add_argument("--gram-ops", action="store_true",
                    help="only the ghost norm's Gram products with 1, 2, 4, 8, 16 strips on a few layer shapes (ms)")
+    p.add_argument("--device", default="cpu", help="--gram-ops: where the products run (cpu, cuda)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.gram_ops:
         print("| layer | whole | 2 strips | 4 strips | 8 strips | 16 strips |")
         print("|---" * 6 + "|")
-        _save(args, "ms", gram_ops_ab(args.reps))
+        _save(args, "ms", gram_ops_ab(args.reps, device=args.device))
         return
     if args.slack:
         print("| workload | FLOPs, slack 1 | live, slack 1 | FLOPs, slack 1.25 | live, slack 1.25 |")

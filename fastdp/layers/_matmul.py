@@ -75,9 +75,11 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch
 #: how :func:`gram_strips` cuts a ``T x T`` Gram matrix, by device type (others: ``"default"``): ``(h, K)``, strips of
 #: at least ``h`` rows and at most ``K`` of them. On a 2-core CPU (``python benchmarks/levers.py --gram-ops``,
 #: benchmarks/results/gram_strips/gram_ops.json) a ghost norm's two Gram products and their inner product took
-#: 0.61-0.95x the whole matrices' time at T 64 to 1024 with this rule (2 strips at T 64, 4 from T 128); 8 or 16 strips
-#: gained little more at T 512 and 1024 and lost at T 128 and 256. The GPU's (128, 8) is not measured.
-GRAM_STRIP = {"cpu": (32, 4), "default": (128, 8)}
+#: 0.61-0.85x the whole matrices' time at T 128 to 1024 with this rule (2 strips at T 128, 4 from T 256); 8 or 16
+#: strips gained little more at T 512 and 1024 and lost at T 128 and 256. Below T 128 the whole matrices: two strips
+#: at T 64 were 0.91-0.95x alone but 0.975-0.988x in whole steps (``--levers gram-strips``: the strips' extra calls).
+#: The GPU's (128, 8) is not measured.
+GRAM_STRIP = {"cpu": (64, 4), "default": (128, 8)}
 
 
 def strip_count(X: torch.Tensor) -> int:

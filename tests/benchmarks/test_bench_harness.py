@@ -184,7 +184,7 @@ def test_variants_set_their_switches():
         full(zoo.make_batch(w, torch.device("cpu")))
     finally:
         matmul.gram_strips = real_strips
-    assert strips and set(strips) == {1} and matmul.GRAM_STRIP["cpu"] == (32, 4)  # whole Grams for its steps only
+    assert strips and set(strips) == {1} and matmul.GRAM_STRIP["cpu"] == (64, 4)  # whole Grams for its steps only
 
 
 def test_workload_refuses_a_width_set_without_the_model():
@@ -348,7 +348,7 @@ def test_levers_gram_ops_times_every_strip_count_and_restores(capsys):
 
     real = dict(matmul.GRAM_STRIP)
     rows = levers.gram_ops_ab(1, shapes=((2, 40, 3, 5),), counts=(1, 2, 4))  # 4 strips of 10 rows: under 16, left out
-    assert [set(r) for r in rows] == [{"shape", "K 1", "K 2"}] and matmul.GRAM_STRIP == real
+    assert [set(r) for r in rows] == [{"shape", "device", "K 1", "K 2"}] and matmul.GRAM_STRIP == real
     assert "| B 2, T 40, d 3, p 5 |" in capsys.readouterr().out
 
 
