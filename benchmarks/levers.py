@@ -434,6 +434,16 @@ def gram_ops_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = GRAM_
     return rows
 
 
+def _print_row(tag: str, values: dict[str, float], base_cell: str, levers: list[str]) -> None:
+    """One table row: the non-private value, each configuration as a ratio to it, and each lever's gain
+    (``before / after``)."""
+    base = values["non-private"]
+    cells = [base_cell] + [f"{values[f'{lv} before'] / base:.3f}x" for lv in levers]
+    cells += [f"{values['after'] / base:.3f}x"]
+    cells += [f"{values[f'{lv} before'] / values['after']:.3f}" for lv in levers]
+    print(f"| {tag} | {' | '.join(cells)} |", flush=True)
+
+
 def _save(args: argparse.Namespace, key: str, rows: object) -> None:
     """Write ``rows`` under ``key`` to ``--json`` (when given), with the thread count and torch version."""
     if args.json:
@@ -506,33 +516,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.flops:
         for w in chosen:
             flops = {k: v / 1e9 for k, v in measure_flops(w, args.levers).items()}
-            base = flops["non-private"]
-            cells = [f"{base:.1f} GFLOP"] + [f"{flops[f'{lv} before'] / base:.3f}x" for lv in args.levers]
-            cells += [f"{flops['after'] / base:.3f}x"]
-            cells += [f"{flops[f'{lv} before'] / flops['after']:.3f}" for lv in args.levers]
-            print(f"| {w.tag} | {' | '.join(cells)} |", flush=True)
+            _print_row(w.tag, flops, f"{flops['non-private']:.1f} GFLOP", args.levers)
             results[w.tag] = flops
         _save(args, "gflop", results)
         return
     if args.memory:
         for w in chosen:
             live = {k: v / 2**20 for k, v in measure_memory(w, args.levers, max(warmup, 1)).items()}
-            base = live["non-private"]
-            cells = [f"{base:.0f} MB"] + [f"{live[f'{lv} before'] / base:.3f}x" for lv in args.levers]
-            cells += [f"{live['after'] / base:.3f}x"]
-            cells += [f"{live[f'{lv} before'] / live['after']:.3f}" for lv in args.levers]
-            print(f"| {w.tag} | {' | '.join(cells)} |", flush=True)
+            _print_row(w.tag, live, f"{live['non-private']:.0f} MB", args.levers)
             results[w.tag] = live
         chosen = []
     for w in chosen:
         times = measure(w, args.levers, reps, warmup)
         med = {k: statistics.median(v) for k, v in times.items()}
-        base = med["non-private"]
-        cells = [f"{med['non-private'] * 1e3:.0f} ms"]
-        cells += [f"{med[f'{lv} before'] / base:.3f}x" for lv in args.levers]
-        cells += [f"{med['after'] / base:.3f}x"]
-        cells += [f"{med[f'{lv} before'] / med['after']:.3f}" for lv in args.levers]
-        print(f"| {w.tag} | {' | '.join(cells)} |", flush=True)
+        _print_row(w.tag, med, f"{med['non-private'] * 1e3:.0f} ms", args.levers)
         results[w.tag] = times
     _save(args, "live_mb" if args.memory else "times_s", results)
 
