@@ -37,7 +37,7 @@ D=(non-private "fastdp BK-MixOpt")
 B=("non-private BiTFiT" DP-BiTFiT)
 [[ $PLAN == short ]] && B=()
 # GPT-2 T512 also with INSTANTIATION_SLACK 1.25 (docs/results/cuda.md, item 8) and with whole Gram matrices instead of
-# strips (item 11): on CPU, 1.13x the FLOPs at slack 1 with strips, 1.07x at slack 1.25, 1.23x with whole Grams
+# strips (item 11): counted on CPU, 1.145x the FLOPs with strips, 1.043x at slack 1.25, 1.23x with whole Grams
 stage gpt2-T512 210 "${R[@]}" --models gpt2 --sizes 512 --batch 16 --methods "${D[@]}" "fastdp BK-MixOpt, slack 1.25" \
   "fastdp BK-MixOpt, full Grams" "${B[@]}"
 stage roberta-T256 120 "${R[@]}" --update --models roberta --sizes 256 --batch 32 --methods "${D[@]}" "${B[@]}"

@@ -41,9 +41,10 @@ def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
 
 #: how much larger than what book-keeping keeps of a call a per-sample gradient may be and still be instantiated by
 #: the default mode (:func:`instantiation_fits`). 1: instantiation never holds more than book-keeping would. Above 1
-#: it trades memory for the ghost norm's Gram products (``python benchmarks/levers.py --slack``: at 1.25, GPT-2-small
-#: at T 512 ran 1.23x -> 1.07x non-private matrix-product FLOPs at an unchanged live peak, RoBERTa-base at T 512
-#: 1.23x -> 1.00x FLOPs but 1.01x -> 1.13x live peak); not adopted as the default, which keeps memory first.
+#: it trades memory for the ghost norm's Gram products (``python benchmarks/levers.py --slack``, with the Gram strips:
+#: at 1.25, GPT-2-small at T 512 ran 1.145x -> 1.043x non-private matrix-product FLOPs at an unchanged live peak,
+#: RoBERTa-base at T 512 1.145x -> 1.002x FLOPs but 1.006x -> 1.126x live peak); not adopted as the default, which
+#: keeps memory first.
 INSTANTIATION_SLACK = 1.0
 
 
