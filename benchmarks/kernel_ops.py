@@ -1,0 +1,148 @@
+"""Kernel-level A/B measurements behind some of ``benchmarks/levers.py``'s levers: each operation timed every way it
+can be done on fixed shapes, alternating calls, median milliseconds (``python benchmarks/levers.py --noise``,
+``--conv-ops``, ``--gram-ops``; the levers themselves are A/B'd in whole steps by ``levers.py``).
+
+* :func:`noise_ab`: a step's noise drawn per parameter or into one flat buffer;
+* :func:`conv_ops_ab`: the convolution kind's operations on ResNet-18's layer shapes;
+* :func:`gram_ops_ab`: the ghost norm's Gram products with 1, 2, 4, 8, 16 strips.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import zoo
+
+import fastdp.layers._matmul
+from fastdp.layers import _matmul
+from fastdp.layers.kinds import conv as conv_kind
+from fastdp.layers.kinds.conv import ConvKind
+
+_patched = zoo.patched
+
+def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
+    """The noise of one step of a workload's trainable parameters drawn two ways, alternating: one fresh tensor and
+    one ``normal_`` call per parameter (what ``fastdp.noise.noisy_mean`` does) against one fresh flat buffer and one
+    call for all of them (the "flat buffer" lever, not adopted). Median milliseconds of each."""
+    w = zoo.Workload(model, size, zoo.default_batch(model, size, "cpu"))
+    shapes = [p.shape for p in zoo.make_model(w).parameters() if p.requires_grad]
+    total = sum(math.prod(s) for s in shapes)
+    gen = torch.Generator().manual_seed(0)
+
+    def per_parameter() -> None:
+        [torch.empty(s).normal_(0.0, 1.0, generator=gen) for s in shapes]
+
+    def flat() -> None:
+        torch.empty(total).normal_(0.0, 1.0, generator=gen)
+
+    times: dict[str, list[float]] = {"per parameter": [], "flat buffer": []}
+    for r in range(reps + 1):
+        for name, fn in (("per parameter", per_parameter), ("flat buffer", flat))[:: 1 if r % 2 else -1]:
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    out = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(f"noise for {w.tag} ({len(shapes)} tensors, {total:,} numbers): per parameter "
+          f"{out['per parameter']:.1f} ms, one flat buffer {out['flat buffer']:.1f} ms")
+    return out
+
+
+#: ResNet-18's convolution shapes at 32², 64² and 128² images and the harness's batch for each:
+#: (image side, batch, C_in, input side, C_out, kernel, stride)
+RESNET_CONVS = tuple((img, batch, c_in, img // div, c_out, k, s) for img, batch in ((32, 64), (64, 16), (128, 4))
+                     for c_in, div, c_out, k, s in ((64, 4, 64, 3, 1), (64, 4, 128, 3, 2), (128, 8, 128, 3, 1),
+                                                    (128, 8, 256, 3, 2), (256, 16, 256, 3, 1), (256, 16, 512, 3, 2),
+                                                    (512, 32, 512, 3, 1), (64, 4, 128, 1, 2)))
+
+
+def _conv_ops(conv: torch.nn.Conv2d, call: object, x: torch.Tensor, go: torch.Tensor,
+              coef: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The operations :func:`conv_ops_ab` times on one call (the path switches are set around each)."""
+    kind = ConvKind()
+    norm = functools.partial(kind.ghost_norm_sq, conv, call, "weight")
+    return {"weight gradient (non-private)": functools.partial(
+                torch.nn.grad.conv2d_weight, x, conv.weight.shape, go, stride=conv.stride, padding=conv.padding),
+            "sum by kernel": functools.partial(call.clipped_sum_by_kernel, coef),
+            "sum by patches": functools.partial(call.clipped_sum_by_patches, coef),
+            "ghost norm, pixel Gram": norm,
+            "ghost norm, patches": norm,
+            "per-sample, patches": functools.partial(kind.per_sample_grad, conv, call, "weight"),
+            "per-sample, grouped": call.grouped_weight_grads}
+
+
+def conv_ops_ab(reps: int, shapes: tuple[tuple[int, ...], ...] = RESNET_CONVS) -> list[dict[str, object]]:
+    """Each operation of the convolution kind on ResNet-18's layer shapes, every way it can be done, alternating
+    calls (median milliseconds): the clipped sum by the weight-gradient kernel or by patches, the ghost norm with
+    the input Gram from the pixels' Gram or from patches, per-sample gradients from patches or the grouped kernel,
+    and the batch's plain weight gradient (what non-private training pays) for scale."""
+    from fastdp.layers.kinds.conv import ConvCall
+
+    rows = []
+    for img, B, c_in, side, c_out, k, stride in shapes:
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=False)
+        x = torch.randn(B, c_in, side, side)
+        with torch.no_grad():
+            go = torch.randn_like(conv(x))
+        call: ConvCall = ConvKind().prepare(conv, x, go)
+        ops = _conv_ops(conv, call, x, go, torch.rand(B))
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for r in range(reps + 1):
+            for name in list(ops)[r % len(ops):] + list(ops)[:r % len(ops)]:
+                patches = [(conv_kind, "PIXEL_GRAMS", name != "ghost norm, patches"),
+                           (conv_kind, "GROUPED_MIN_POSITIONS", 10**9 if name == "per-sample, patches" else 0),
+                           (ConvCall, "pixel_gram_pays", lambda self: True)]
+                with _patched(patches):
+                    t0 = time.perf_counter()
+                    ops[name]()
+                    if r:
+                        times[name].append(time.perf_counter() - t0)
+        row = {"shape": f"img{img} B{B} {c_in}->{c_out} k{k} s{stride} at {side}x{side} (T {call.T})"}
+        row.update({name: 1e3 * statistics.median(ts) for name, ts in times.items()})
+        rows.append(row)
+        print("| " + " | ".join([row["shape"]] + [f"{row[name]:.2f}" for name in ops]) + " |", flush=True)
+    return rows
+
+
+#: (B, T, d, p) of ghost-norm layers: the CPU-width workloads' (T 64 to 256, d 256, p 256 / 1024 / the LM head's
+#: 8000) and the paper widths' at batch 2 (GPT-2-small's c_fc at T 512, a narrow layer at T 1024)
+GRAM_SHAPES = ((32, 64, 256, 256), (32, 64, 256, 1024), (16, 128, 256, 256), (16, 128, 256, 1024),
+               (8, 256, 256, 8000), (2, 512, 768, 3072), (2, 1024, 256, 1024))
+
+
+def gram_ops_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = GRAM_SHAPES,
+                counts: tuple[int, ...] = (1, 2, 4, 8, 16), device: str = "cpu") -> list[dict[str, object]]:
+    """The ghost norm's Gram products and their inner product (``strips_inner(gram_strips(A), gram_strips(G))``)
+    with ``K`` strips for each ``K`` in ``counts`` (1: the whole Gram matrices; only strips of at least 16 rows),
+    alternating calls, median milliseconds per layer shape, float32 on ``device`` (synchronised on CUDA)."""
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = []
+    for B, T, d, p in shapes:
+        gen = torch.Generator().manual_seed(0)
+        A = torch.randn(B, 1, T, d, generator=gen).to(dev)
+        G = torch.randn(B, 1, T, p, generator=gen).to(dev)
+        ks = [k for k in counts if T // k >= 16]
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for r in range(reps + 1):
+            for k in ks[r % len(ks):] + ks[:r % len(ks)]:
+                with _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": (1, k), "default": (1, k)})]):
+                    sync()
+                    t0 = time.perf_counter()
+                    _matmul.strips_inner(_matmul.gram_strips(A), _matmul.gram_strips(G))
+                    sync()
+                    if r:
+                        times[k].append(time.perf_counter() - t0)
+        row: dict[str, object] = {"shape": f"B {B}, T {T}, d {d}, p {p}", "device": str(dev)}
+        row.update({f"K {k}": 1e3 * statistics.median(ts) for k, ts in times.items()})
+        rows.append(row)
+        cells = [f"{row[f'K {k}']:.2f} ({row[f'K {k}'] / row['K 1']:.2f}x)" if f"K {k}" in row else "-"
+                 for k in counts]
+        print("| " + " | ".join([str(row["shape"])] + cells) + " |", flush=True)
+    return rows
