@@ -104,9 +104,12 @@ def gram_strips(X: torch.Tensor) -> list[torch.Tensor]:
 
 
 def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
-    """``<P_i, Q_i>`` per sample (summed over groups), shape ``(B,)``, of two symmetric Gram matrices given as
-    :func:`gram_strips` of one strip height: each strip's leading ``b_k x b_k`` block (on the diagonal) counts once,
+    """``<P_i, Q_i>`` per sample (summed over groups), shape ``(B,)``, of two symmetric ``T x T`` Gram matrices given
+    as :func:`gram_strips` cut the same way: each strip's leading ``h_k x h_k`` block (on the diagonal) counts once,
     the rest of the strip (above the diagonal) twice, for its mirror image below."""
+    if len(P) != len(Q) or any(p.shape != q.shape for p, q in zip(P, Q, strict=False)):
+        raise ValueError(f"Gram strips of shapes {[tuple(p.shape) for p in P]} and {[tuple(q.shape) for q in Q]} "
+                         "are not cut the same way")
     if len(P) == 1:
         return _factored.gram_inner(P[0], Q[0])
     total = None

@@ -223,3 +223,14 @@ def test_conv_patch_gram_in_strips_matches_the_oracle(B, monkeypatch):
     _, _, got = run_engine_once(model, ce_per_sample, [(x, y)], batch_size=B, R=0.05, fn="abadi", style="all-layer",
                                 mode="BK-ghost", reduction="mean", verify_structure=False)
     assert_grads_close(got, want)
+
+
+def test_strips_cut_differently_are_refused(monkeypatch):
+    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (64, 4), "default": (64, 4)})
+    A = torch.randn(2, 1, 256, 3)
+    strips = _matmul.gram_strips(A)
+    assert len(strips) == 4
+    with pytest.raises(ValueError, match="not cut the same way"):
+        _matmul.strips_inner(strips, [A @ A.transpose(-1, -2)])  # four strips against the whole matrix
+    with pytest.raises(ValueError, match="not cut the same way"):
+        _matmul.strips_inner(strips[:1], [strips[0][..., :10]])  # one strip each, of other shapes
