@@ -78,7 +78,8 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch
 #: benchmarks/results/gram_strips/gram_ops.json) a ghost norm's two Gram products and their inner product took
 #: 0.61-0.85x the whole matrices' time at T 128 to 1024 with this rule (2 strips at T 128, 4 from T 256); 8 or 16
 #: strips gained little more at T 512 and 1024 and lost at T 128 and 256. Below T 128 the whole matrices: two strips
-#: at T 64 were 0.91-0.95x alone but 0.975-0.988x in whole steps (``--levers gram-strips``: the strips' extra calls).
+#: at T 64 were 0.91-0.95x alone but 0.975-0.988x in whole steps (``--levers gram-strips``, gram_strips/
+#: time_cpu_T64_two_strips.json: the strips' extra calls).
 #: The GPU's (128, 8) is not measured.
 GRAM_STRIP = {"cpu": (64, 4), "default": (128, 8)}
 
