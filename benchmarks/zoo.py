@@ -17,7 +17,7 @@ A *method* is how one training step is taken:
   (instantiation on arrival switched off, docs/internals/clipping.md), ``fastdp BK-MixOpt, no probe``
   (``verify_structure=False``), ``fastdp BK-MixOpt, slack 1.25`` (``fastdp.layers._matmul.INSTANTIATION_SLACK``
   1.25 during its steps, ``MODULE_SWITCHES``) and ``fastdp BK-MixOpt, full Grams`` (ghost norms from whole ``T x T``
-  Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP`` unbounded).
+  Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP`` at one strip).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).

@@ -112,6 +112,9 @@ for _name, _spec in N3.items():
 for _b in (64, 300):  # every tensor its own bucket; several tensors per bucket, cut between them
     register(3, f"exact-buckets-{_b}", _exact(Spec("mixed", ((2,), (1, 2), (3,)), seed=60 + _b, style="layer-wise"),
                                               f"exact-buckets-{_b}", bucket_bytes=_b))
+for _m in ("BK-ghost", "ghost"):  # every ghost norm's Grams in strips of 2 rows (the default keeps these whole)
+    register(3, f"exact-strips-{_m}", _exact(Spec("mixed", ((2,), (1, 2), (3,)), seed=70, mode=_m),
+                                             f"exact-strips-{_m}", gram_strip=(2, 8)))
 register(3, "exact-subgroup", _exact(SUBGROUP, "exact-subgroup", run_subgroup))
 register(3, "exact-subgroup12", _exact(SUBGROUP12, "exact-subgroup12", run_subgroup, ranks=(1, 2)))
 register(2, "exact-update-both", _exact(UPDATE_BOTH, "exact-update-both", run_update_both))
@@ -136,6 +139,12 @@ def test_exact_three_ranks(name):
 def test_exact_with_small_buckets(bucket_bytes):
     """All-reduce buckets of 64 or 300 bytes (the engine's are 25 MB): many buckets, exact and bit-identical."""
     _check(3, f"exact-buckets-{bucket_bytes}")
+
+
+@pytest.mark.parametrize("mode", ["BK-ghost", "ghost"])
+def test_exact_with_gram_strips(mode):
+    """The ghost norms' Gram matrices cut into strips of 2 rows on each of 3 ranks: exact and bit-identical."""
+    _check(3, f"exact-strips-{mode}")
 
 
 def test_process_group_subgroup():
