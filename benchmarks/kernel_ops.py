@@ -2,7 +2,7 @@
 can be done on fixed shapes, alternating calls, median milliseconds (``python benchmarks/levers.py --noise``,
 ``--conv-ops``, ``--gram-ops``; the levers themselves are A/B'd in whole steps by ``levers.py``).
 
-* :func:`noise_ab`: a step's noise drawn per parameter or into one flat buffer;
+* :func:`noise_ab`: a step's noise drawn per parameter, into one flat buffer, by fastdp, or by numpy Box-Muller;
 * :func:`conv_ops_ab`: the convolution kind's operations on ResNet-18's layer shapes;
 * :func:`gram_ops_ab`: the ghost norm's Gram products with 1, 2, 4, 8, 16 strips.
 """
@@ -25,14 +25,59 @@ from fastdp.layers.kinds.conv import ConvKind
 
 _patched = zoo.patched
 
+def _numpy_box_muller(out: torch.Tensor, bits: object, block: int = 1 << 15) -> None:
+    """``out`` (contiguous float32, CPU) filled with N(0, 1) numbers: numpy bit-generator words (``bits``, e.g.
+    ``numpy.random.PCG64DXSM``) through Box-Muller in float32 with numpy's vectorised functions, ``block`` pairs at
+    a time (the design measured against torch's ``normal_`` and not adopted)."""
+    import numpy as np
+
+    flat = out.view(-1).numpy()
+    r, t = np.empty(block, np.float32), np.empty(block, np.float32)
+    for start in range(0, flat.size - 1, 2 * block):
+        k = min(block, (flat.size - start) // 2)
+        words = bits.random_raw(k).view(np.uint32)  # 2k words: radii from the first k, angles from the rest
+        # (an odd count leaves the last number unfilled: for timing only)
+        rk, tk = r[:k], t[:k]
+        np.copyto(rk, words[:k], casting="unsafe")
+        rk *= np.float32(2.0 ** -32)
+        rk += np.float32(2.0 ** -33)
+        np.log(rk, out=rk)
+        rk *= np.float32(-2.0)
+        np.sqrt(rk, out=rk)
+        np.copyto(tk, words[k:], casting="unsafe")
+        tk *= np.float32(2.0 * math.pi * 2.0 ** -32)
+        np.cos(tk, out=flat[start:start + k])
+        flat[start:start + k] *= rk
+        np.sin(tk, out=flat[start + k:start + 2 * k])
+        flat[start + k:start + 2 * k] *= rk
+
+
 def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
-    """The noise of one step of a workload's trainable parameters drawn two ways, alternating: one fresh tensor and
-    one ``normal_`` call per parameter (what ``fastdp.noise.noisy_mean`` does) against one fresh flat buffer and one
-    call for all of them (the "flat buffer" lever, not adopted). Median milliseconds of each."""
+    """The noise of one step of a workload's trainable parameters drawn several ways, alternating (median
+    milliseconds of each):
+
+    * ``per parameter``: one fresh tensor and one torch ``normal_`` call per parameter, on one thread;
+    * ``flat buffer``: one fresh flat buffer and one call for all of them (a lever, not adopted);
+    * ``fastdp``: ``fastdp.noise.noisy_means`` (noise only, one fresh tensor per parameter), on ``NOISE_THREADS``
+      threads from child generators;
+    * ``numpy Box-Muller, 1 thread`` / ``2 threads``: numpy ``PCG64DXSM`` words through Box-Muller in float32
+      (:func:`_numpy_box_muller`), one fresh tensor per parameter, the parameters on one thread or split in two
+      runs on two as ``fastdp`` splits them (a design not adopted: faster than ``normal_`` on one thread, no
+      faster than ``fastdp`` on two).
+    """
+    import concurrent.futures
+
+    import numpy as np
+
+    import fastdp.noise
+
     w = zoo.Workload(model, size, zoo.default_batch(model, size, "cpu"))
-    shapes = [p.shape for p in zoo.make_model(w).parameters() if p.requires_grad]
+    params = [p.detach() for p in zoo.make_model(w).parameters() if p.requires_grad]
+    shapes = [p.shape for p in params]
     total = sum(math.prod(s) for s in shapes)
     gen = torch.Generator().manual_seed(0)
+    runs = fastdp.noise._runs(params, 2)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     def per_parameter() -> None:
         [torch.empty(s).normal_(0.0, 1.0, generator=gen) for s in shapes]
@@ -40,16 +85,36 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
     def flat() -> None:
         torch.empty(total).normal_(0.0, 1.0, generator=gen)
 
-    times: dict[str, list[float]] = {"per parameter": [], "flat buffer": []}
+    def library() -> None:
+        fastdp.noise.noisy_means(params, {}, 1.0, 1, gen)
+
+    def numpy_run(run: list[torch.Tensor], seed: int) -> None:
+        bits = np.random.PCG64DXSM(seed)
+        for p in run:
+            _numpy_box_muller(torch.empty(p.shape), bits)
+
+    def numpy_one() -> None:
+        numpy_run(params, 0)
+
+    def numpy_two() -> None:
+        f = pool.submit(numpy_run, runs[-1], 1)
+        numpy_run(runs[0], 2)
+        f.result()
+
+    forms = {"per parameter": per_parameter, "flat buffer": flat, "fastdp": library,
+             "numpy Box-Muller, 1 thread": numpy_one, "numpy Box-Muller, 2 threads": numpy_two}
+    names = list(forms)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps + 1):
-        for name, fn in (("per parameter", per_parameter), ("flat buffer", flat))[:: 1 if r % 2 else -1]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.perf_counter()
-            fn()
+            forms[name]()
             if r:
                 times[name].append(time.perf_counter() - t0)
+    pool.shutdown()
     out = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    print(f"noise for {w.tag} ({len(shapes)} tensors, {total:,} numbers): per parameter "
-          f"{out['per parameter']:.1f} ms, one flat buffer {out['flat buffer']:.1f} ms")
+    print(f"noise for {w.tag} ({len(shapes)} tensors, {total:,} numbers): "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in out.items()), flush=True)
     return out
 
 
@@ -97,6 +162,7 @@ def conv_ops_ab(reps: int, shapes: tuple[tuple[int, ...], ...] = RESNET_CONVS) -
             for name in list(ops)[r % len(ops):] + list(ops)[:r % len(ops)]:
                 patches = [(conv_kind, "PIXEL_GRAMS", name != "ghost norm, patches"),
                            (conv_kind, "GROUPED_MIN_POSITIONS", 10**9 if name == "per-sample, patches" else 0),
+                           (conv_kind, "PER_SAMPLE_GRADS", "grouped"),
                            (ConvCall, "pixel_gram_pays", lambda self: True)]
                 with _patched(patches):
                     t0 = time.perf_counter()

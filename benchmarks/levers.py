@@ -12,7 +12,8 @@ Usage::
     python benchmarks/levers.py --levers fused-norms --models tinycls --sizes 128 --reps 9
     python benchmarks/levers.py --json results/levers.json        # also save the raw times
 
-``python benchmarks/levers.py --noise`` times the noise of a step drawn per parameter against one flat buffer.
+``python benchmarks/levers.py --noise`` times the noise of a step drawn per parameter, into one flat buffer, by fastdp
+(two threads) and by numpy Box-Muller on one and two threads.
 ``python benchmarks/levers.py --conv-ops`` times each operation of the convolution kind on ResNet-18's layer shapes,
 every way it can be done (the clipped sum by kernel or patches, the input Gram from pixels or patches, per-sample
 gradients from patches or the grouped kernel), against the batch's weight gradient. (These kernel-level measurements,
@@ -52,6 +53,9 @@ Levers:
   (``fastdp.layers.kinds.conv.CLIPPED_SUM = "measure"``); before: always one contraction over patches unfolded a
   few samples at a time (``"patches"``).
 * ``conv-sum-measure``: the same against always the kernel (``"kernel"``).
+* ``conv-per-sample-measure``: a convolution's per-sample gradients at ``T >= 256`` by the grouped kernel or from
+  patches, whichever was faster when timed once per call shape (``fastdp.layers.kinds.conv.PER_SAMPLE_GRADS =
+  "measure"``); before: always the grouped kernel.
 * ``conv-pixel-grams``: a convolution's ghost norm with the input Gram from the Gram of the padded input's pixels
   and ``prod(k)`` gathers (``fastdp.layers.kinds.conv.ConvCall.input_gram``) where that takes fewer products;
   before: from patches.
@@ -183,6 +187,10 @@ def _noise_in_place_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.noise, "NOISE_CHUNK", 1 << 62)])
 
 
+def _conv_per_sample_measure_before() -> contextlib.AbstractContextManager:
+    return _patched([(conv_kind, "PER_SAMPLE_GRADS", "grouped")])
+
+
 def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
     return _patched([(conv_kind, "PIXEL_GRAMS", False)])
 
@@ -211,6 +219,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "conv-sum-kernel": _conv_sum_kernel_before,
     "conv-sum-measure": _conv_sum_measure_before,
     "conv-pixel-grams": _conv_pixel_grams_before,
+    "conv-per-sample-measure": _conv_per_sample_measure_before,
     "conv-kept-rule": _conv_kept_rule_before,
     "noise-in-place": _noise_in_place_before,
     "gram-strips": _gram_strips_before,
@@ -339,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="tiny widths, size 16, batch 2, one round (a smoke test)")
-    p.add_argument("--noise", action="store_true", help="only the noise A/B (per-parameter tensors or one flat buffer)")
+    p.add_argument("--noise", action="store_true",
+                   help="only the noise A/B (per parameter, flat buffer, fastdp, numpy Box-Muller)")
     p.add_argument("--memory", action="store_true", help="peak live-tensor growth of each configuration, not times")
     p.add_argument("--slack", action="store_true",
                    help="only FLOPs and live peak of the default mode at INSTANTIATION_SLACK 1 and 1.25")
@@ -372,8 +382,9 @@ def main(argv: list[str] | None = None) -> None:
         _save(args, "ms", conv_ops_ab(args.reps))
         return
     if args.noise:
-        for model, size in (("gpt2", 256), ("roberta", 64), ("vit", 64), ("resnet", 32)):
-            noise_ab(model, size, args.reps)
+        _save(args, "ms", {f"{model}-{size}": noise_ab(model, size, args.reps)
+                           for model, size in (("gpt2", 256), ("roberta", 64), ("vit", 64), ("resnet", 32))
+                           if not args.models or model in args.models})
         return
     workloads = [(m, s) for m, s in DEFAULT_WORKLOADS if not args.models or m in args.models]
     listed = {m for m, _ in workloads}

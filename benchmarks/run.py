@@ -311,8 +311,11 @@ def main(argv: list[str] | None = None) -> None:
         import profile_step
 
         for m in args.methods:
-            print(profile_step.profile_method(workloads[0], m, device, args.warmup, max(1, args.reps), args.top,
-                                              args.by_function))
+            try:
+                print(profile_step.profile_method(workloads[0], m, device, args.warmup, max(1, args.reps),
+                                                  args.top, args.by_function))
+            except zoo.Unsupported as exc:
+                print(f"== {m}: not supported ({exc})")
         return
     results = measure(args, preset, workloads, argv)
     print(tables.render(results))

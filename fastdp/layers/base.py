@@ -136,7 +136,9 @@ class LayerKind:
     def reduce_without_activation(self, module: nn.Module, grad_output: torch.Tensor) -> torch.Tensor:
         """Shrink an output gradient as it arrives when no activation was kept (bias-only training, DP-BiTFiT):
         sum it over positions, keeping the dimensions, so the engine holds ``B x p`` instead of ``B x T x p`` until
-        the backward pass ends. :meth:`prepare` must accept the result. Default: unchanged."""
+        the backward pass ends. :meth:`prepare` must accept the result. It runs outside :func:`clipping_precision`
+        (in the backward pass's own autocast and precision settings), so it may sum but not multiply: no products,
+        which those settings would round. Default: unchanged."""
         return grad_output
 
     def ghost_names(self, module: nn.Module) -> frozenset[str]:

@@ -303,7 +303,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept,
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
-                dict(fastdp.layers._matmul.GRAM_STRIP))
+                dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -314,7 +314,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "parallel-noise before", "conv-kernels before", "reused-scratch before",
                          "drop-as-summed before", "sum-order before", "shared-input-fits before",
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
-                         "conv-kept-rule before", "noise-in-place before", "gram-strips before"}
+                         "conv-kept-rule before", "noise-in-place before", "gram-strips before",
+                         "conv-per-sample-measure before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 
@@ -441,12 +442,14 @@ def test_conv_ops_ab_times_every_path_and_restores_the_switches():
     from fastdp.layers.kinds import conv as conv_kind
     from fastdp.layers.kinds.conv import ConvCall
 
-    before = (conv_kind.PIXEL_GRAMS, conv_kind.GROUPED_MIN_POSITIONS, ConvCall.pixel_gram_pays)
+    before = (conv_kind.PIXEL_GRAMS, conv_kind.GROUPED_MIN_POSITIONS, conv_kind.PER_SAMPLE_GRADS,
+              ConvCall.pixel_gram_pays)
     rows = levers.conv_ops_ab(1, shapes=((8, 2, 3, 6, 4, 3, 1), (8, 2, 3, 6, 4, 3, 2)))
     assert len(rows) == 2
     for row in rows:
         assert len(row) == 8 and all(v > 0 for k, v in row.items() if k != "shape"), row
-    assert (conv_kind.PIXEL_GRAMS, conv_kind.GROUPED_MIN_POSITIONS, ConvCall.pixel_gram_pays) == before
+    assert (conv_kind.PIXEL_GRAMS, conv_kind.GROUPED_MIN_POSITIONS, conv_kind.PER_SAMPLE_GRADS,
+            ConvCall.pixel_gram_pays) == before
 
 
 def test_slack_ab_reports_flops_and_live_memory_and_restores_the_slack():
@@ -460,3 +463,21 @@ def test_slack_ab_reports_flops_and_live_memory_and_restores_the_slack():
     assert set(row) == {f"{k} {u}" for k in ("non-private", "slack 1", "slack 1.25") for u in ("GFLOP", "live MB")}
     assert all(v > 0 for v in row.values())
     assert matmul.INSTANTIATION_SLACK == before
+
+
+def test_noise_designs_ab_draws_every_design(capsys, tmp_path):
+    """``levers.py --noise``: every design timed on a real workload's parameters, saved under ``ms``; the numpy
+    Box-Muller draws standard normals (its distribution, not only its time)."""
+    import kernel_ops
+    import levers
+
+    levers.main(["--noise", "--models", "vit", "--reps", "1", "--json", str(tmp_path / "n.json")])
+    saved = json.loads((tmp_path / "n.json").read_text())["ms"]
+    assert list(saved) == ["vit-64"] and set(saved["vit-64"]) == {
+        "per parameter", "flat buffer", "fastdp", "numpy Box-Muller, 1 thread", "numpy Box-Muller, 2 threads"}
+    assert all(v > 0 for v in saved["vit-64"].values())
+    import numpy as np
+
+    z = torch.empty(200_000)
+    kernel_ops._numpy_box_muller(z, np.random.PCG64DXSM(0), block=1000)
+    assert abs(float(z.mean())) < 0.02 and abs(float(z.std()) - 1) < 0.01 and float(z.abs().max()) < 7

@@ -81,8 +81,11 @@ def test_every_weight_path_matches_the_batch_of_one_oracle(name, B, per_chunk, m
         assert len(chunks) == -(-B // per_chunk) and all(hi - lo <= per_chunk for lo, hi in chunks)
     kind = ConvKind()
     coef = torch.rand(B, dtype=torch.float64) + 0.5
-    for grouped_from in (0, 10 ** 9):  # the grouped kernel, then patches
+    for grouped_from, how in ((0, "grouped"), (0, "patches"), (0, "measure"), (10 ** 9, "grouped")):
+        # from 0 positions: the grouped kernel, patches, the faster of both; below the threshold: patches
         monkeypatch.setattr(convmod, "GROUPED_MIN_POSITIONS", grouped_from)
+        monkeypatch.setattr(convmod, "PER_SAMPLE_GRADS", how)
+        monkeypatch.setattr(convmod, "_per_sample_choice", {})
         psg = kind.per_sample_grad(conv, call, "weight")
         assert psg.shape == want.shape
         torch.testing.assert_close(psg, want, rtol=1e-10, atol=1e-12)
@@ -152,6 +155,7 @@ def test_engine_with_forced_chunks_and_grouped_kernel_matches_the_oracle(mode, m
     """c1 has T = 36 positions, c2 has 9: with the threshold at 10, c1's per-sample gradients come from the grouped
     kernel and c2's from one-sample chunks of patches; batches of 1, 0 and 3 samples, every clipping mode."""
     monkeypatch.setattr(convmod, "GROUPED_MIN_POSITIONS", 10)
+    monkeypatch.setattr(convmod, "PER_SAMPLE_GRADS", "grouped")
     monkeypatch.setitem(convmod.PATCH_CHUNK_BYTES, "cpu", 1)
     i = MODES.index(mode)
     fn = FNS[i % len(FNS)]
@@ -187,6 +191,40 @@ def test_ghost_norm_inside_a_shared_gram_pass(name, monkeypatch):
     with shared_input_grams():
         norms = ConvKind().ghost_norm_sq(conv, call, "weight")
     torch.testing.assert_close(norms, want.flatten(1).square().sum(1), rtol=1e-10, atol=1e-12)
+
+
+def test_the_measured_per_sample_method_is_chosen_once_per_shape(monkeypatch):
+    """``PER_SAMPLE_GRADS = "measure"``: from ``GROUPED_MIN_POSITIONS`` positions on, both forms are timed once per
+    call shape on CPU and the choice kept; below it, patches (nothing timed); under
+    ``torch.use_deterministic_algorithms`` and for an empty batch, the grouped kernel untimed; once
+    ``SUM_CHOICE_MAX`` shapes are stored, new ones take the grouped kernel untimed."""
+    monkeypatch.setattr(convmod, "PER_SAMPLE_GRADS", "measure")
+    monkeypatch.setattr(convmod, "_per_sample_choice", {})
+    monkeypatch.setattr(convmod, "GROUPED_MIN_POSITIONS", 1)
+    _, call, want = _call("2d stride 2 dilation 2 reflect", 3)
+    timed = []
+    for form in ("grouped_weight_grads", "per_sample_grads_by_patches"):
+        real = getattr(ConvCall, form)
+        monkeypatch.setattr(ConvCall, form, lambda self, real=real, form=form: timed.append(form) or real(self))
+    first = call.per_sample_method()
+    assert first in ("grouped", "patches") and len(timed) == 4 and len(convmod._per_sample_choice) == 1
+    assert sorted(set(timed)) == ["grouped_weight_grads", "per_sample_grads_by_patches"]
+    assert call.per_sample_method() == first and len(timed) == 4  # kept, not timed again
+    torch.testing.assert_close(ConvKind().per_sample_grad(call.module, call, "weight"), want, rtol=1e-10, atol=1e-12)
+    monkeypatch.setattr(convmod, "_per_sample_choice", {})
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert call.per_sample_method() == "grouped" and not convmod._per_sample_choice
+    finally:
+        torch.use_deterministic_algorithms(False)
+    _, empty, _ = _call("2d stride 2 dilation 2 reflect", 0)
+    assert empty.per_sample_method() == "grouped"
+    monkeypatch.setattr(convmod, "GROUPED_MIN_POSITIONS", 10 ** 9)
+    assert call.per_sample_method() == "patches" and not convmod._per_sample_choice
+    monkeypatch.setattr(convmod, "GROUPED_MIN_POSITIONS", 1)
+    monkeypatch.setattr(convmod, "SUM_CHOICE_MAX", 0)  # full: grouped, nothing timed or stored
+    n = len(timed)
+    assert call.per_sample_method() == "grouped" and len(timed) == n and not convmod._per_sample_choice
 
 
 def test_the_measured_clipped_sum_is_chosen_once_per_shape(monkeypatch):

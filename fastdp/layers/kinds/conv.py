@@ -130,14 +130,9 @@ class ConvKind(_matmul.OuterProductKind):
         if name == "bias":
             return super().per_sample_grad(module, _bias_ctx(ctx), name)
         call: ConvCall = ctx
-        if call.T >= GROUPED_MIN_POSITIONS:
+        if call.per_sample_method() == "grouped":
             return call.grouped_weight_grads()
-        G = call.G
-        B, g, _, p = G.shape
-        out = G.new_empty(B, g, p, call.d)
-        for lo, hi in call.chunks():
-            torch.matmul(G[lo:hi].transpose(-1, -2), call.patches(lo, hi), out=out[lo:hi])
-        return out.reshape(B, *module.weight.shape)
+        return call.per_sample_grads_by_patches()
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         if name == "bias":
@@ -162,11 +157,22 @@ def _bias_ctx(ctx: Any) -> tuple[None, torch.Tensor]:
 #: torch's convolution weight-gradient kernels by number of spatial dimensions
 _WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 #: per-sample weight gradients by one grouped convolution over the batch (:meth:`ConvCall.grouped_weight_grads`)
-#: when a call has at least this many output positions, else from patches. On a 2-core CPU (oneDNN) the grouped
+#: only when a call has at least this many output positions, else from patches. On a 2-core CPU (oneDNN) the grouped
 #: kernel took about 0.3x the patches' time at T = 1024 and 3136, about the same at T = 64-256 and 3-6x at T <= 16,
 #: and its scratch is about twice the per-sample gradients (29 MB against 18 MB for a 64-channel 3x3 layer at
 #: batch 64, T 64), hence the high threshold.
 GROUPED_MIN_POSITIONS = 256
+
+#: how per-sample weight gradients of a call with at least :data:`GROUPED_MIN_POSITIONS` positions are formed:
+#: ``"grouped"`` (:meth:`ConvCall.grouped_weight_grads`), ``"patches"`` (:meth:`ConvCall.per_sample_grads_by_patches`)
+#: or ``"measure"`` (default): on CPU both timed once per call shape and the faster kept
+#: (:meth:`ConvCall.per_sample_method`), elsewhere grouped. Both are exact; they differ in rounding only. On a 2-core
+#: CPU the grouped kernel is the faster on ResNet-18's 64-channel layers (2.2 against 5.9 ms at 64² images, batch
+#: 16) but not on its first layer, whose 3 input channels make 16 groups of 3 (6.4 against 4.0 ms;
+#: ``python benchmarks/levers.py --conv-ops``).
+PER_SAMPLE_GRADS = "measure"
+#: the measured choice per call shape (:meth:`ConvCall.per_sample_method`)
+_per_sample_choice: dict[tuple, str] = {}
 
 #: how a weight's clipped sum ``sum_i coef_i g_i`` is formed: ``"kernel"``, torch's weight-gradient kernel on the
 #: per-sample scaled operand (:meth:`ConvCall.clipped_sum_by_kernel`: the non-private weight gradient's own kernel,
@@ -178,8 +184,9 @@ GROUPED_MIN_POSITIONS = 256
 CLIPPED_SUM = "measure"
 #: the measured choice per call shape (:meth:`ConvCall.sum_method`)
 _sum_choice: dict[tuple, str] = {}
-#: the most call shapes measured; beyond, the kernel without a timing (inputs of ever new shapes would otherwise pay
-#: four extra clipped sums per layer on every step)
+#: the most call shapes measured by each measured choice (the clipped sum's, the per-sample gradients'); beyond, the
+#: default (the kernel; grouped) without a timing (inputs of ever new shapes would otherwise pay four extra
+#: operations per layer on every step)
 SUM_CHOICE_MAX = 1024
 
 #: the ghost norm's input Gram from the Gram of the input's pixels (:meth:`ConvCall.input_gram`: no patches) where
@@ -190,6 +197,27 @@ PIXEL_GRAMS = True
 #: glibc serves every allocation above 32 MiB by a fresh ``mmap``, so a batch's patches (often hundreds of MiB) are
 #: page-faulted in anew on every use; chunks of a few MiB are reused from the heap and stay in cache.
 PATCH_CHUNK_BYTES: dict[str, int] = {"cpu": 8 * 2**20, "default": 256 * 2**20}
+
+
+def _timed_choice(store: dict[tuple, str], key: tuple, forms: dict[str, Any], what: str,
+                  default: str = "kernel") -> str:
+    """The name of the fastest of ``forms`` (name -> a call with no arguments) for ``key``, timed once (two runs
+    of each, alternating, the best of each) and kept in ``store``; ``default`` without a timing once ``store`` holds
+    :data:`SUM_CHOICE_MAX` shapes (inputs of ever new shapes would otherwise pay the timing on every step)."""
+    choice = store.get(key)
+    if choice is not None:
+        return choice
+    if len(store) >= SUM_CHOICE_MAX:
+        return default
+    best = dict.fromkeys(forms, math.inf)
+    for _ in range(2):
+        for name, form in forms.items():
+            t0 = time.perf_counter()
+            form()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    choice = store[key] = min(best, key=best.__getitem__)
+    logger.debug("%s by %s (%s)", what, choice, ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in best.items()))
+    return choice
 
 
 @dataclass
@@ -291,21 +319,38 @@ class ConvCall:
         m = self.module
         key = (self.x.dtype, tuple(self.x.shape), tuple(self.grad_output.shape), tuple(m.weight.shape), m.stride,
                m.dilation, m.groups, m.padding_mode, tuple(m._reversed_padding_repeated_twice))
-        choice = _sum_choice.get(key)
-        if choice is None and len(_sum_choice) >= SUM_CHOICE_MAX:
-            return "kernel"
-        if choice is None:
-            ones = self.x.new_ones(self.batch)
-            best = {"kernel": math.inf, "patches": math.inf}
-            for _ in range(2):
-                for how, form in (("kernel", self.clipped_sum_by_kernel), ("patches", self.clipped_sum_by_patches)):
-                    t0 = time.perf_counter()
-                    form(ones)
-                    best[how] = min(best[how], time.perf_counter() - t0)
-            choice = _sum_choice[key] = min(best, key=best.__getitem__)
-            logger.debug("%s %s: clipped sum by %s (kernel %.2f ms, patches %.2f ms)", type(m).__name__, key[1:3],
-                         choice, 1e3 * best["kernel"], 1e3 * best["patches"])
-        return choice
+        ones = self.x.new_ones(self.batch)
+        return _timed_choice(_sum_choice, key, {"kernel": lambda: self.clipped_sum_by_kernel(ones),
+                                                "patches": lambda: self.clipped_sum_by_patches(ones)},
+                             f"{type(m).__name__} {key[1:3]}: clipped sum")
+
+    def per_sample_method(self) -> str:
+        """``"grouped"`` or ``"patches"`` for this call's per-sample weight gradients: patches below
+        :data:`GROUPED_MIN_POSITIONS` positions, else as :data:`PER_SAMPLE_GRADS` says; measured once per call shape
+        on CPU (two timed runs of each, the faster kept), grouped elsewhere, for an empty batch and under
+        ``torch.use_deterministic_algorithms``."""
+        if self.T < GROUPED_MIN_POSITIONS:
+            return "patches"
+        if PER_SAMPLE_GRADS != "measure":
+            return PER_SAMPLE_GRADS
+        if self.batch == 0 or self.x.device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
+            return "grouped"
+        m = self.module
+        key = (self.x.dtype, tuple(self.x.shape), tuple(self.grad_output.shape), tuple(m.weight.shape), m.stride,
+               m.dilation, m.groups, m.padding_mode, tuple(m._reversed_padding_repeated_twice))
+        return _timed_choice(_per_sample_choice, key, {"grouped": self.grouped_weight_grads,
+                                                       "patches": self.per_sample_grads_by_patches},
+                             f"{type(m).__name__} {key[1:3]}: per-sample gradients", default="grouped")
+
+    def per_sample_grads_by_patches(self) -> torch.Tensor:
+        """Per-sample weight gradients ``(B, C_out, C_in/g, *k)`` as ``G_i^T A_i`` on patches unfolded a chunk of
+        samples at a time."""
+        G = self.G
+        B, g, _, p = G.shape
+        out = G.new_empty(B, g, p, self.d)
+        for lo, hi in self.chunks():
+            torch.matmul(G[lo:hi].transpose(-1, -2), self.patches(lo, hi), out=out[lo:hi])
+        return out.reshape(B, *self.module.weight.shape)
 
     def _scale_input(self, x: torch.Tensor, go: torch.Tensor) -> bool:
         """Whether :meth:`clipped_sum_by_kernel` scales the input (the smaller operand) or the output gradient."""
