@@ -56,6 +56,9 @@ Levers:
 * ``conv-per-sample-measure``: a convolution's per-sample gradients at ``T >= 256`` by the grouped kernel or from
   patches, whichever was faster when timed once per call shape (``fastdp.layers.kinds.conv.PER_SAMPLE_GRADS =
   "measure"``); before: always the grouped kernel.
+* ``ln-weighted-kernel``: a LayerNorm's ``x_hat`` (for its weight's per-sample gradients) recomputed by torch's
+  kernel with a weight of ones (``LayerNormKind.normalize``: the same numbers); before: without a weight, a slower
+  CPU kernel.
 * ``conv-pixel-grams``: a convolution's ghost norm with the input Gram from the Gram of the padded input's pixels
   and ``prod(k)`` gathers (``fastdp.layers.kinds.conv.ConvCall.input_gram``) where that takes fewer products;
   before: from patches.
@@ -191,6 +194,16 @@ def _conv_per_sample_measure_before() -> contextlib.AbstractContextManager:
     return _patched([(conv_kind, "PER_SAMPLE_GRADS", "grouped")])
 
 
+def _layernorm_unweighted_normalize(self: object, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, module.normalized_shape, None, None, module.eps)
+
+
+def _ln_weighted_kernel_before() -> contextlib.AbstractContextManager:
+    from fastdp.layers.kinds.layernorm import LayerNormKind
+
+    return _patched([(LayerNormKind, "normalize", _layernorm_unweighted_normalize)])
+
+
 def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
     return _patched([(conv_kind, "PIXEL_GRAMS", False)])
 
@@ -220,6 +233,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "conv-sum-measure": _conv_sum_measure_before,
     "conv-pixel-grams": _conv_pixel_grams_before,
     "conv-per-sample-measure": _conv_per_sample_measure_before,
+    "ln-weighted-kernel": _ln_weighted_kernel_before,
     "conv-kept-rule": _conv_kept_rule_before,
     "noise-in-place": _noise_in_place_before,
     "gram-strips": _gram_strips_before,

@@ -297,13 +297,14 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.noise
     from fastdp.layers.kinds import conv as conv_kind
     from fastdp.layers.kinds.conv import ConvKind
+    from fastdp.layers.kinds.layernorm import LayerNormKind
 
     def current():
         return (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
                 ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept,
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
-                dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS)
+                dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -315,7 +316,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "drop-as-summed before", "sum-order before", "shared-input-fits before",
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
                          "conv-kept-rule before", "noise-in-place before", "gram-strips before",
-                         "conv-per-sample-measure before"}
+                         "conv-per-sample-measure before", "ln-weighted-kernel before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 

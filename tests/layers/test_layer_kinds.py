@@ -255,3 +255,17 @@ def test_frozen_batch_first_false_is_left_to_the_probe():
         p.requires_grad_(False)
     engine = PrivacyEngine(full, batch_size=2, sample_size=10, noise_multiplier=1.0)
     assert [e.name for e in engine.plan.entries] == ["head"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,normalized", [((3, 5, 8), (8,)), ((2, 4, 3, 6), (3, 6)), ((7,), (7,))])
+def test_layernorm_normalize_is_the_unweighted_layer_norm(dtype, shape, normalized):
+    """``LayerNormKind.normalize`` calls torch's kernel with a weight of ones (the faster CPU path); its ``x_hat``
+    must be the affine-free layer norm's, to rounding (observed: bit-identical)."""
+    from fastdp.layers.kinds.layernorm import LayerNormKind
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=dtype) * 3 + 1
+    module = nn.LayerNorm(normalized, eps=1e-5, dtype=dtype)
+    want = torch.nn.functional.layer_norm(x, normalized, None, None, 1e-5)
+    torch.testing.assert_close(LayerNormKind().normalize(module, x), want, rtol=1e-6, atol=1e-6)
