@@ -119,11 +119,11 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
 
 
 #: ResNet-18's convolution shapes at 32², 64² and 128² images and the harness's batch for each:
-#: (image side, batch, C_in, input side, C_out, kernel, stride)
+#: (image side, batch, C_in, input side, C_out, kernel, stride); the first is the stem (7 x 7, stride 2, on the image)
 RESNET_CONVS = tuple((img, batch, c_in, img // div, c_out, k, s) for img, batch in ((32, 64), (64, 16), (128, 4))
-                     for c_in, div, c_out, k, s in ((64, 4, 64, 3, 1), (64, 4, 128, 3, 2), (128, 8, 128, 3, 1),
-                                                    (128, 8, 256, 3, 2), (256, 16, 256, 3, 1), (256, 16, 512, 3, 2),
-                                                    (512, 32, 512, 3, 1), (64, 4, 128, 1, 2)))
+                     for c_in, div, c_out, k, s in ((3, 1, 64, 7, 2), (64, 4, 64, 3, 1), (64, 4, 128, 3, 2),
+                                                    (128, 8, 128, 3, 1), (128, 8, 256, 3, 2), (256, 16, 256, 3, 1),
+                                                    (256, 16, 512, 3, 2), (512, 32, 512, 3, 1), (64, 4, 128, 1, 2)))
 
 
 def _conv_ops(conv: torch.nn.Conv2d, call: object, x: torch.Tensor, go: torch.Tensor,

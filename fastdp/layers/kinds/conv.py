@@ -65,8 +65,8 @@ class ConvKind(_matmul.OuterProductKind):
     doc = DocRow(
         "`nn.Conv1d`, `nn.Conv2d`, `nn.Conv3d`", "weight, bias",
         "weight: ghost norm (input Gram from the pixels' Gram where cheaper) or instantiation on patches unfolded a "
-        "few samples at a time (instantiation at T >= 256 by one grouped convolution over the batch); clipped sum by "
-        "the weight-gradient kernel or patches, the faster on CPU; bias: instantiated",
+        "few samples at a time (at T >= 256, or by one grouped convolution over the batch, the faster on CPU); "
+        "clipped sum by the weight-gradient kernel or patches, the faster on CPU; bias: instantiated",
         'any stride, dilation, padding (ints, tuples, `"same"`, `"valid"`), `padding_mode`, `groups`. Needs a '
         "batched input.")
 
@@ -167,8 +167,8 @@ GROUPED_MIN_POSITIONS = 256
 #: ``"grouped"`` (:meth:`ConvCall.grouped_weight_grads`), ``"patches"`` (:meth:`ConvCall.per_sample_grads_by_patches`)
 #: or ``"measure"`` (default): on CPU both timed once per call shape and the faster kept
 #: (:meth:`ConvCall.per_sample_method`), elsewhere grouped. Both are exact; they differ in rounding only. On a 2-core
-#: CPU the grouped kernel is the faster on ResNet-18's 64-channel layers (2.2 against 5.9 ms at 64² images, batch
-#: 16) but not on its first layer, whose 3 input channels make 16 groups of 3 (6.4 against 4.0 ms;
+#: CPU the grouped kernel is the faster on ResNet-18's 64-channel layers (2.1 against 5.6 ms at 64² images, batch
+#: 16) but not on its stem at 64², whose 3 input channels make 16 groups of 3 (6.1 against 4.1 ms;
 #: ``python benchmarks/levers.py --conv-ops``).
 PER_SAMPLE_GRADS = "measure"
 #: the measured choice per call shape (:meth:`ConvCall.per_sample_method`)
