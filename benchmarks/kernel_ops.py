@@ -4,7 +4,8 @@ can be done on fixed shapes, alternating calls, median milliseconds (``python be
 
 * :func:`noise_ab`: a step's noise drawn per parameter, into one flat buffer, by fastdp, or by numpy Box-Muller;
 * :func:`conv_ops_ab`: the convolution kind's operations on ResNet-18's layer shapes;
-* :func:`gram_ops_ab`: the ghost norm's Gram products with 1, 2, 4, 8, 16 strips.
+* :func:`gram_ops_ab`: the ghost norm's Gram products with 1, 2, 4, 8, 16 strips;
+* :func:`norm_ops_ab`: a GroupNorm's per-sample weight and bias gradients, recomputing ``x_hat`` or folded.
 """
 
 from __future__ import annotations
@@ -211,4 +212,42 @@ def gram_ops_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = GRAM_
         cells = [f"{row[f'K {k}']:.2f} ({row[f'K {k}'] / row['K 1']:.2f}x)" if f"K {k}" in row else "-"
                  for k in counts]
         print("| " + " | ".join([str(row["shape"])] + cells) + " |", flush=True)
+    return rows
+
+
+#: ResNet-18's GroupNorm inputs (B, C, side) at 32², 64² and 128² images with the harness's batches (32 groups)
+RESNET_NORMS = tuple((batch, c, img // div) for img, batch in ((32, 64), (64, 16), (128, 4))
+                     for c, div in ((64, 2), (64, 4), (128, 8), (256, 16), (512, 32)))
+
+
+def norm_ops_ab(reps: int, shapes: tuple[tuple[int, int, int], ...] = RESNET_NORMS) -> list[dict[str, object]]:
+    """A GroupNorm's per-sample weight and bias gradients (``GroupNormKind.prepare`` then ``per_sample_grad`` of
+    both) two ways, alternating calls, median milliseconds per shape: ``x_hat`` recomputed and ``G * x_hat``
+    reduced (``FOLDED_MIN_POSITIONS = 0``), or one fused group-norm backward over the batch folded into the
+    channels (``FOLDED_MIN_POSITIONS = 1``)."""
+    from fastdp.layers.kinds import groupnorm
+
+    kind = groupnorm.GroupNormKind()
+    rows = []
+    for B, C, side in shapes:
+        gen = torch.Generator().manual_seed(0)
+        module = torch.nn.GroupNorm(32, C)
+        x = torch.randn(B, C, side, side, generator=gen)
+        G = torch.randn(B, C, side, side, generator=gen)
+        forms = {"recompute x_hat": 0, "folded": 1}
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for r in range(reps + 1):
+            for name in list(forms)[r % 2:] + list(forms)[:r % 2]:
+                with _patched([(groupnorm, "FOLDED_MIN_POSITIONS", forms[name])]):
+                    t0 = time.perf_counter()
+                    ctx = kind.prepare(module, x, G)
+                    kind.per_sample_grad(module, ctx, "weight")
+                    kind.per_sample_grad(module, ctx, "bias")
+                    if r:
+                        times[name].append(time.perf_counter() - t0)
+        row: dict[str, object] = {"shape": f"B {B}, C {C}, {side}x{side}"}
+        row.update({name: 1e3 * statistics.median(ts) for name, ts in times.items()})
+        rows.append(row)
+        print(f"| {row['shape']} | {row['recompute x_hat']:.3f} | {row['folded']:.3f} | "
+              f"{row['folded'] / row['recompute x_hat']:.2f}x |", flush=True)
     return rows

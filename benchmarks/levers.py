@@ -18,6 +18,8 @@ Usage::
 every way it can be done (the clipped sum by kernel or patches, the input Gram from pixels or patches, per-sample
 gradients from patches or the grouped kernel), against the batch's weight gradient. (These kernel-level measurements,
 and ``--gram-ops`` below, live in ``benchmarks/kernel_ops.py``.)
+``python benchmarks/levers.py --norm-ops`` times a GroupNorm's per-sample weight and bias gradients on ResNet-18's
+shapes, ``x_hat`` recomputed or from one fused backward over the batch folded into the channels.
 ``python benchmarks/levers.py --memory`` reports, instead of times, each configuration's peak live-tensor growth
 over one step (``workers._live_peak_bytes``: the allocations and frees torch's profiler records).
 
@@ -59,6 +61,9 @@ Levers:
 * ``ln-weighted-kernel``: a LayerNorm's ``x_hat`` (for its weight's per-sample gradients) recomputed by torch's
   kernel with a weight of ones (``LayerNormKind.normalize``: the same numbers); before: without a weight, a slower
   CPU kernel.
+* ``gn-folded``: a GroupNorm's per-sample weight and bias gradients from one fused group-norm backward over the
+  batch folded into the channels (``fastdp.layers.kinds.groupnorm``, from ``FOLDED_MIN_POSITIONS`` positions);
+  before: ``x_hat`` recomputed and ``G * x_hat`` reduced.
 * ``conv-pixel-grams``: a convolution's ghost norm with the input Gram from the Gram of the padded input's pixels
   and ``prod(k)`` gathers (``fastdp.layers.kinds.conv.ConvCall.input_gram``) where that takes fewer products;
   before: from patches.
@@ -97,7 +102,7 @@ from pathlib import Path
 
 import torch
 import zoo
-from kernel_ops import conv_ops_ab, gram_ops_ab, noise_ab  # noqa: F401 - re-exported: levers.conv_ops_ab etc.
+from kernel_ops import conv_ops_ab, gram_ops_ab, noise_ab, norm_ops_ab  # noqa: F401 - re-exported (levers.conv_ops_ab)
 
 import fastdp.clipped_sums
 import fastdp.layers._factored
@@ -204,6 +209,12 @@ def _ln_weighted_kernel_before() -> contextlib.AbstractContextManager:
     return _patched([(LayerNormKind, "normalize", _layernorm_unweighted_normalize)])
 
 
+def _gn_folded_before() -> contextlib.AbstractContextManager:
+    from fastdp.layers.kinds import groupnorm
+
+    return _patched([(groupnorm, "FOLDED_MIN_POSITIONS", 0)])
+
+
 def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
     return _patched([(conv_kind, "PIXEL_GRAMS", False)])
 
@@ -234,6 +245,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "conv-pixel-grams": _conv_pixel_grams_before,
     "conv-per-sample-measure": _conv_per_sample_measure_before,
     "ln-weighted-kernel": _ln_weighted_kernel_before,
+    "gn-folded": _gn_folded_before,
     "conv-kept-rule": _conv_kept_rule_before,
     "noise-in-place": _noise_in_place_before,
     "gram-strips": _gram_strips_before,
@@ -374,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="only the convolution kind's operations on ResNet-18's layer shapes, every way (ms)")
     p.add_argument("--gram-ops", action="store_true",
                    help="only the ghost norm's Gram products with 1, 2, 4, 8, 16 strips on a few layer shapes (ms)")
+    p.add_argument("--norm-ops", action="store_true",
+                   help="only a GroupNorm's per-sample gradients on ResNet-18's shapes, recomputed or folded (ms)")
     p.add_argument("--device", default="cpu", help="--gram-ops: where the products run (cpu, cuda)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -388,6 +402,11 @@ def main(argv: list[str] | None = None) -> None:
         chosen = [zoo.Workload(m, s, args.batch or zoo.default_batch(m, s, args.widths), args.widths)
                   for m in args.models or ("gpt2",) for s in args.sizes or (512,)]
         _save(args, "rows", slack_ab(chosen))
+        return
+    if args.norm_ops:
+        print("| GroupNorm input | recompute x_hat | folded | folded / recompute |")
+        print("|---" * 4 + "|")
+        _save(args, "ms", norm_ops_ab(args.reps))
         return
     if args.conv_ops:
         print("| layer | weight gradient (non-private) | sum by kernel | sum by patches | ghost norm, pixel Gram | "

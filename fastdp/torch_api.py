@@ -190,7 +190,27 @@ def fsdp_unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
     return getattr(fsdp_param, "_unsharded_param", None)
 
 
+def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_s grad_out * x_hat, sum_s grad_out)`` per channel of a group norm: each of shape ``(C,)`` for
+    ``x``, ``grad_out`` of shape ``(1, C, HxW)`` with ``groups`` groups of consecutive channels, ``x_hat`` the
+    input normalised per group (no affine). These are torch's own weight and bias gradients of
+    ``F.group_norm`` for a batch of one; :class:`fastdp.layers.kinds.groupnorm.GroupNormKind` gets per-sample ones
+    by folding the batch into the channels.
+
+    ATen ops outside the documented API (``torch.native_group_norm``, ``aten::native_group_norm_backward``): the
+    public ``F.group_norm`` gives no statistics, and its autograd gradient is summed over the batch. Both read ``x``
+    and ``grad_out`` in one fused pass each, where recomputing ``x_hat`` and reducing ``grad_out * x_hat`` writes two
+    tensors of the input's size.
+    """
+    _, C, hw = x.shape
+    _, mean, rstd = torch.native_group_norm(x, None, None, 1, C, hw, groups, eps)
+    _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
+        grad_out, x, mean, rstd, None, 1, C, hw, groups, [False, True, True])
+    return weight_grad, bias_grad
+
+
 __all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
-           "ieee_float32",
+           "group_norm_affine_grads", "ieee_float32",
            "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
            "tree_map", "tree_unflatten"]

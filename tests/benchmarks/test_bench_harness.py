@@ -297,6 +297,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.noise
     from fastdp.layers.kinds import conv as conv_kind
     from fastdp.layers.kinds.conv import ConvKind
+    from fastdp.layers.kinds import groupnorm
     from fastdp.layers.kinds.layernorm import LayerNormKind
 
     def current():
@@ -304,7 +305,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept,
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
-                dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize)
+                dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
+                groupnorm.FOLDED_MIN_POSITIONS)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -316,7 +318,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "drop-as-summed before", "sum-order before", "shared-input-fits before",
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
                          "conv-kept-rule before", "noise-in-place before", "gram-strips before",
-                         "conv-per-sample-measure before", "ln-weighted-kernel before"}
+                         "conv-per-sample-measure before", "ln-weighted-kernel before", "gn-folded before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 
@@ -482,3 +484,17 @@ def test_noise_designs_ab_draws_every_design(capsys, tmp_path):
     z = torch.empty(200_000)
     kernel_ops._numpy_box_muller(z, np.random.PCG64DXSM(0), block=1000)
     assert abs(float(z.mean())) < 0.02 and abs(float(z.std()) - 1) < 0.01 and float(z.abs().max()) < 7
+
+
+def test_norm_ops_ab_times_both_forms_and_restores_the_threshold(capsys, tmp_path):
+    """``levers.py --norm-ops``: a GroupNorm's per-sample gradients recomputed and folded, per shape; the switch is
+    restored."""
+    import levers
+
+    from fastdp.layers.kinds import groupnorm
+
+    before = groupnorm.FOLDED_MIN_POSITIONS
+    rows = levers.norm_ops_ab(1, shapes=((2, 32, 4), (3, 64, 1)))
+    assert [r["shape"] for r in rows] == ["B 2, C 32, 4x4", "B 3, C 64, 1x1"]
+    assert all(r["recompute x_hat"] > 0 and r["folded"] > 0 for r in rows)
+    assert groupnorm.FOLDED_MIN_POSITIONS == before

@@ -269,3 +269,26 @@ def test_layernorm_normalize_is_the_unweighted_layer_norm(dtype, shape, normaliz
     module = nn.LayerNorm(normalized, eps=1e-5, dtype=dtype)
     want = torch.nn.functional.layer_norm(x, normalized, None, None, 1e-5)
     torch.testing.assert_close(LayerNormKind().normalize(module, x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,groups", [((1, 4, 5, 5), 2), ((3, 6, 17), 3), ((2, 8, 3, 2, 4), 8), ((5, 6, 4, 4), 1),
+                                          ((3, 6, 16), 6)])
+def test_groupnorm_folded_grads_are_the_recomputed_ones(shape, groups, monkeypatch):
+    """From ``FOLDED_MIN_POSITIONS`` positions the per-sample weight and bias gradients come from one fused backward
+    over the batch folded into the channels; they must equal ``sum_s G * x_hat`` and ``sum_s G`` per sample
+    (float64, to 1e-10), for a batch of one, 1d/2d/3d inputs, one group and one group per channel."""
+    from fastdp.layers.kinds import groupnorm
+
+    torch.manual_seed(1)
+    module = nn.GroupNorm(groups, shape[1], eps=1e-4).double()
+    x = torch.randn(*shape, dtype=torch.float64) * 2 + 0.7
+    G = torch.randn(*shape, dtype=torch.float64)
+    kind = groupnorm.GroupNormKind()
+    folded = kind.prepare(module, x, G)
+    assert isinstance(folded, groupnorm.FoldedGrads)
+    monkeypatch.setattr(groupnorm, "FOLDED_MIN_POSITIONS", 0)
+    recomputed = kind.prepare(module, x, G)
+    assert not isinstance(recomputed, groupnorm.FoldedGrads)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(kind.per_sample_grad(module, folded, name),
+                                   kind.per_sample_grad(module, recomputed, name), rtol=1e-10, atol=1e-12)
