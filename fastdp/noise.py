@@ -84,7 +84,8 @@ def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: fl
                          generator: torch.Generator | None) -> torch.Tensor:
     """:func:`noisy_mean` written into ``clipped_sum`` (returned): per chunk of :data:`NOISE_CHUNK` numbers (the
     last one merged into the one before when it would be shorter than 16), ``std * xi / batch_size`` drawn into a
-    buffer, the chunk of the sum added as :func:`noisy_mean` adds it, and the result copied back."""
+    buffer, and the chunk of the sum added as :func:`noisy_mean` adds it (``noise + sum / batch_size``), written
+    straight into the sum's chunk."""
     flat = clipped_sum.view(-1)
     n = flat.numel()
     starts = list(range(0, n, NOISE_CHUNK))
@@ -94,7 +95,7 @@ def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: fl
     buf = torch.empty(max(e - s for s, e in zip(starts, ends, strict=True)), dtype=flat.dtype, device=flat.device)
     for s, e in zip(starts, ends, strict=True):
         noise = _draw(buf[:e - s], std / batch_size, generator)
-        flat[s:e].copy_(noise.add_(flat[s:e], alpha=1.0 / batch_size))
+        torch.add(noise, flat[s:e], alpha=1.0 / batch_size, out=flat[s:e])  # one pass: no copy back
     return clipped_sum
 
 
