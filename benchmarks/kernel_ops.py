@@ -53,6 +53,20 @@ def _numpy_box_muller(out: torch.Tensor, bits: object, block: int = 1 << 15) -> 
         flat[start + k:start + 2 * k] *= rk
 
 
+def _consecutive_runs(params: list[torch.Tensor], k: int) -> list[list[int]]:
+    """The noise threads' runs before the ``balanced-noise-runs`` lever: consecutive pieces of the parameter list of
+    about equal size (``fastdp.noise._runs`` deals the largest parameters first to the least-loaded thread)."""
+    total = sum(p.numel() for p in params)
+    runs: list[list[int]] = [[]]
+    filled = 0
+    for i, p in enumerate(params):
+        if runs[-1] and filled >= total * len(runs) / k and len(runs) < k:
+            runs.append([])
+        runs[-1].append(i)
+        filled += p.numel()
+    return runs
+
+
 def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
     """The noise of one step of a workload's trainable parameters drawn several ways, alternating (median
     milliseconds of each):
@@ -60,7 +74,8 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
     * ``per parameter``: one fresh tensor and one torch ``normal_`` call per parameter, on one thread;
     * ``flat buffer``: one fresh flat buffer and one call for all of them (a lever, not adopted);
     * ``fastdp``: ``fastdp.noise.noisy_means`` (noise only, one fresh tensor per parameter), on ``NOISE_THREADS``
-      threads from child generators;
+      threads from child generators; ``fastdp, consecutive runs``: the same with the threads' runs cut as before
+      the ``balanced-noise-runs`` lever (consecutive pieces of the parameter list);
     * ``numpy Box-Muller, 1 thread`` / ``2 threads``: numpy ``PCG64DXSM`` words through Box-Muller in float32
       (:func:`_numpy_box_muller`), one fresh tensor per parameter, the parameters on one thread or split in two
       runs on two as ``fastdp`` splits them (a design not adopted: faster than ``normal_`` on one thread, no
@@ -77,7 +92,7 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
     shapes = [p.shape for p in params]
     total = sum(math.prod(s) for s in shapes)
     gen = torch.Generator().manual_seed(0)
-    runs = fastdp.noise._runs(params, 2)
+    runs = [[params[i] for i in run] for run in fastdp.noise._runs(params, 2)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     def per_parameter() -> None:
@@ -88,6 +103,10 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
 
     def library() -> None:
         fastdp.noise.noisy_means(params, {}, 1.0, 1, gen)
+
+    def library_consecutive() -> None:
+        with _patched([(fastdp.noise, "_runs", _consecutive_runs)]):
+            fastdp.noise.noisy_means(params, {}, 1.0, 1, gen)
 
     def numpy_run(run: list[torch.Tensor], seed: int) -> None:
         bits = np.random.PCG64DXSM(seed)
@@ -103,6 +122,7 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
         f.result()
 
     forms = {"per parameter": per_parameter, "flat buffer": flat, "fastdp": library,
+             "fastdp, consecutive runs": library_consecutive,
              "numpy Box-Muller, 1 thread": numpy_one, "numpy Box-Muller, 2 threads": numpy_two}
     names = list(forms)
     times: dict[str, list[float]] = {name: [] for name in names}

@@ -112,13 +112,14 @@ def noisy_means(params: Sequence[torch.Tensor], sums: dict[torch.Tensor, torch.T
     without an entry in ``sums`` gets noise only), in the order of ``params``. Each sum is popped from ``sums`` as
     it is used, so it is freed as soon as its gradient exists.
 
-    On CPU, with at least :data:`PARALLEL_NOISE_MIN` numbers and :data:`NOISE_THREADS` > 1, the parameters are cut
-    into that many consecutive runs of about equal size and each run is drawn on its own thread from a *child*
-    generator whose whole Mersenne-Twister state (624 words) is drawn from ``generator`` (torch's default generator
-    when ``None``) in a fixed order: a seeded run stays reproducible and a checkpoint of ``generator`` still
-    restores the stream, while the draws of one step take 1 / NOISE_THREADS of the time. The released
-    distribution is the same, N(0, std^2 I) independent per entry; only which numbers a given seed produces
-    changes. Elsewhere (CUDA, fewer numbers, one thread) each parameter is drawn in turn from ``generator``.
+    On CPU, with at least :data:`PARALLEL_NOISE_MIN` numbers and :data:`NOISE_THREADS` > 1, the parameters are
+    dealt to that many threads in runs of about equal numbers (:func:`_runs`) and each run is drawn on its own
+    thread from a *child* generator whose whole Mersenne-Twister state (624 words) is drawn from ``generator``
+    (torch's default generator when ``None``) in a fixed order: a seeded run stays reproducible and a checkpoint of
+    ``generator`` still restores the stream, while the draws of one step take about 1 / NOISE_THREADS of the time.
+    The released distribution is the same, N(0, std^2 I) independent per entry; only which numbers a given seed
+    produces changes. Elsewhere (CUDA, fewer numbers, one thread) each parameter is drawn in turn from
+    ``generator``.
     """
     params = list(params)
     total = sum(p.numel() for p in params)
@@ -129,29 +130,34 @@ def noisy_means(params: Sequence[torch.Tensor], sums: dict[torch.Tensor, torch.T
     if len(runs) < 2:
         return [noisy_mean(p, sums.pop(p, None), std, batch_size, generator) for p in params]
     children = [_child_generator(generator) for _ in runs]
+    out: list[torch.Tensor | None] = [None] * len(params)
 
-    def draw(run: list[torch.Tensor], child: torch.Generator) -> list[torch.Tensor]:
-        return [noisy_mean(p, sums.pop(p, None), std, batch_size, child) for p in run]
+    def draw(run: list[int], child: torch.Generator) -> None:
+        for i in run:
+            out[i] = noisy_mean(params[i], sums.pop(params[i], None), std, batch_size, child)
 
     pool = _noise_pool()
     futures = [pool.submit(draw, run, child) for run, child in zip(runs[1:], children[1:], strict=True)]
-    out = draw(runs[0], children[0])
+    draw(runs[0], children[0])
     for f in futures:
-        out += f.result()
-    return out
+        f.result()
+    return out  # type: ignore[return-value]  # every slot is filled: the runs partition the indices
 
 
-def _runs(params: list[torch.Tensor], k: int) -> list[list[torch.Tensor]]:
-    """``params`` cut into at most ``k`` consecutive runs of about equal numbers of elements."""
-    total = sum(p.numel() for p in params)
-    runs: list[list[torch.Tensor]] = [[]]
-    filled = 0
-    for p in params:
-        if runs[-1] and filled >= total * len(runs) / k and len(runs) < k:
-            runs.append([])
-        runs[-1].append(p)
-        filled += p.numel()
-    return runs
+def _runs(params: list[torch.Tensor], k: int) -> list[list[int]]:
+    """The indices of ``params`` dealt into at most ``k`` runs of about equal numbers of elements: largest
+    parameter first, each to the run with the fewest elements so far (ties: the lower run), each run then in the
+    parameters' order. Deterministic (the same sizes give the same runs), and no run exceeds an equal share by more
+    than the largest parameter (consecutive pieces of the list, the rule before, could leave one thread a whole
+    large tensor more than the other: ``benchmarks/levers.py``, lever ``balanced-noise-runs``)."""
+    order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
+    loads = [0] * max(1, min(k, len(params)))
+    members: list[list[int]] = [[] for _ in loads]
+    for i in order:
+        j = min(range(len(loads)), key=lambda r: (loads[r], r))
+        members[j].append(i)
+        loads[j] += params[i].numel()
+    return [sorted(m) for m in members if m]
 
 
 def _child_generator(parent: torch.Generator | None) -> torch.Generator:

@@ -296,8 +296,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.layers._matmul
     import fastdp.noise
     from fastdp.layers.kinds import conv as conv_kind
-    from fastdp.layers.kinds.conv import ConvKind
     from fastdp.layers.kinds import groupnorm
+    from fastdp.layers.kinds.conv import ConvKind
     from fastdp.layers.kinds.layernorm import LayerNormKind
 
     def current():
@@ -306,7 +306,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
                 dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
-                groupnorm.FOLDED_MIN_POSITIONS)
+                groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -318,7 +318,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "drop-as-summed before", "sum-order before", "shared-input-fits before",
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
                          "conv-kept-rule before", "noise-in-place before", "gram-strips before",
-                         "conv-per-sample-measure before", "ln-weighted-kernel before", "gn-folded before"}
+                         "conv-per-sample-measure before", "ln-weighted-kernel before", "gn-folded before",
+                         "balanced-noise-runs before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 
@@ -477,7 +478,8 @@ def test_noise_designs_ab_draws_every_design(capsys, tmp_path):
     levers.main(["--noise", "--models", "vit", "--reps", "1", "--json", str(tmp_path / "n.json")])
     saved = json.loads((tmp_path / "n.json").read_text())["ms"]
     assert list(saved) == ["vit-64"] and set(saved["vit-64"]) == {
-        "per parameter", "flat buffer", "fastdp", "numpy Box-Muller, 1 thread", "numpy Box-Muller, 2 threads"}
+        "per parameter", "flat buffer", "fastdp", "fastdp, consecutive runs", "numpy Box-Muller, 1 thread",
+        "numpy Box-Muller, 2 threads"}
     assert all(v > 0 for v in saved["vit-64"].values())
     import numpy as np
 

@@ -27,12 +27,25 @@ def _params(sizes=(3000, 7, 5000, 4000, 1)):
     return [torch.empty(n, dtype=D) for n in sizes]
 
 
-def test_runs_cut_the_parameters_into_balanced_consecutive_pieces():
+def test_runs_deal_the_parameters_into_balanced_runs():
+    """Largest first to the least-loaded run: a partition of the indices, each run in the parameters' order,
+    deterministic, no run above an equal share by more than the largest parameter; a single tensor is one run."""
     ps = _params((10, 10, 10, 10))
     runs = noise._runs(ps, 2)
-    assert [len(r) for r in runs] == [2, 2] and [p for r in runs for p in r] == ps
-    assert len(noise._runs(_params((100,)), 2)) == 1  # one tensor: one run
-    assert [len(r) for r in noise._runs(_params((1, 1000, 1)), 2)] == [2, 1]
+    assert sorted(i for r in runs for i in r) == [0, 1, 2, 3] and all(r == sorted(r) for r in runs)
+    assert [sum(ps[i].numel() for i in r) for r in runs] == [20, 20]
+    assert noise._runs(_params((100,)), 2) == [[0]]
+    assert noise._runs(_params((1, 1000, 1)), 2) == [[1], [0, 2]]
+    sizes = (2_359_296, 7, 1_179_648, 2_359_296, 64, 590_000, 2_359_296, 5, 2_359_296, 1_179_648, 300_000)
+    ps = _params(sizes)
+    runs = noise._runs(ps, 2)
+    assert runs == noise._runs(_params(sizes), 2)  # the same sizes, the same runs
+    loads = [sum(sizes[i] for i in r) for r in runs]
+    assert sorted(i for r in runs for i in r) == list(range(len(sizes)))
+    assert max(loads) - sum(sizes) / 2 <= max(sizes)
+    assert noise._runs(_params((600, 500, 500, 400)), 2) == [[0, 3], [1, 2]]  # 1000 each (consecutive: 1100)
+    three = noise._runs(ps, 3)
+    assert len(three) == 3 and sorted(i for r in three for i in r) == list(range(len(sizes)))
 
 
 def test_same_generator_same_noise_and_another_seed_differs(parallel):
