@@ -134,9 +134,14 @@ def noise_ab(model: str, size: int, reps: int) -> dict[str, float]:
                 times[name].append(time.perf_counter() - t0)
     pool.shutdown()
     out = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    balance = {}  # the larger of the two runs' numbers, over an equal share
+    for rule, deal in (("balanced", fastdp.noise._runs), ("consecutive", _consecutive_runs)):
+        balance[rule] = max(sum(params[i].numel() for i in run) for run in deal(params, 2)) / (total / 2)
     print(f"noise for {w.tag} ({len(shapes)} tensors, {total:,} numbers): "
-          + ", ".join(f"{k} {v:.1f} ms" for k, v in out.items()), flush=True)
-    return out
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in out.items())
+          + f"; larger run / equal share: balanced {balance['balanced']:.3f}, consecutive "
+          + f"{balance['consecutive']:.3f}", flush=True)
+    return {**out, **{f"larger run / equal share, {k}": v for k, v in balance.items()}}
 
 
 #: ResNet-18's convolution shapes at 32², 64² and 128² images and the harness's batch for each:

@@ -35,7 +35,7 @@ Levers:
   (``fastdp.noise.noisy_means``); before: one thread, one parameter after another.
 * ``balanced-noise-runs``: the noise threads' runs dealt largest parameter first to the least-loaded thread
   (``fastdp.noise._runs``); before: consecutive pieces of the parameter list of about equal size (one thread
-  could get a whole large tensor more: 8-13 % above an equal share on the harness's models).
+  could get a whole large tensor more; ``--noise`` prints both rules' balance).
 * ``reused-scratch``: a book-keeping clipped sum scales its smaller operand (``coef_i A_i``) into one buffer
   reused from layer to layer for a pass (``fastdp.layers._matmul.reused_scratch``); before: a fresh tensor per
   layer (on CPU paid in page faults).

@@ -479,8 +479,10 @@ def test_noise_designs_ab_draws_every_design(capsys, tmp_path):
     saved = json.loads((tmp_path / "n.json").read_text())["ms"]
     assert list(saved) == ["vit-64"] and set(saved["vit-64"]) == {
         "per parameter", "flat buffer", "fastdp", "fastdp, consecutive runs", "numpy Box-Muller, 1 thread",
-        "numpy Box-Muller, 2 threads"}
+        "numpy Box-Muller, 2 threads", "larger run / equal share, balanced", "larger run / equal share, consecutive"}
     assert all(v > 0 for v in saved["vit-64"].values())
+    assert 1 <= saved["vit-64"]["larger run / equal share, balanced"] <= saved["vit-64"][
+        "larger run / equal share, consecutive"]
     import numpy as np
 
     z = torch.empty(200_000)
