@@ -115,13 +115,34 @@ class Many(nn.Module):
         return x
 
 
+class SmallCNN(nn.Module):
+    """Conv2d(1, 2, 3) on 16 x 16 images (T = 256: its per-sample gradients by the grouped kernel or patches, the
+    faster timed once per shape on each rank), GroupNorm(1, 2) over 256 positions (per-sample gradients from the
+    fused backward over the batch folded into the channels), a strided Conv2d (T = 64), mean pool, Linear head:
+    (B, 1, 16, 16) -> (B, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 2, 3, padding=1)
+        self.gn = nn.GroupNorm(1, 2)
+        self.c2 = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.head = nn.Linear(3, 3)
+        with torch.no_grad():
+            self.gn.weight.normal_(1.0, 0.3)
+            self.gn.bias.normal_(0.0, 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c2(torch.tanh(self.gn(self.c1(x)))))
+        return self.head(h.mean((2, 3)))
+
+
 def _gpt2() -> nn.Module:
     from model_oracle import LMWrap, gpt2
 
     return LMWrap(gpt2())
 
 
-BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many}
+BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many, "cnn": SmallCNN}
 
 
 def build(kind: str, seed: int) -> nn.Module:
@@ -140,7 +161,7 @@ def mse_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (out - y).pow(2).flatten(1).sum(1)
 
 
-LOSSES = {"mixed": cls_loss, "vit": cls_loss, "tied": lm_loss, "big": mse_loss, "gpt2": lm_loss}
+LOSSES = {"mixed": cls_loss, "vit": cls_loss, "tied": lm_loss, "big": mse_loss, "gpt2": lm_loss, "cnn": cls_loss}
 
 
 def make_batch(kind: str, n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -150,6 +171,8 @@ def make_batch(kind: str, n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], 
         return (torch.randint(0, 11, (n, 7), generator=g),), torch.randint(0, 3, (n,), generator=g)
     if kind == "vit":
         return (torch.randn(n, 4, 5, generator=g, dtype=D),), torch.randint(0, 3, (n,), generator=g)
+    if kind == "cnn":
+        return (torch.randn(n, 1, 16, 16, generator=g, dtype=D),), torch.randint(0, 3, (n,), generator=g)
     if kind == "tied":
         ids = torch.randint(0, 13, (n, 7), generator=g)
         return (ids,), ids

@@ -49,6 +49,8 @@ N2: dict[str, Spec] = {
     "broadcast-rank0-bitfit": Spec("mixed", ((2,), (2,)), seed=23, model_seeds=(23, 32), bitfit=True),
     "all-empty-step": Spec("mixed", (None, None), seed=20),
     "all-zero-rows": Spec("mixed", ((0,), (0, 0)), seed=21),
+    "cnn": Spec("cnn", ((3,), (2,)), seed=24),
+    "cnn-bitfit": Spec("cnn", ((2, 1), (3,)), seed=25, bitfit=True),
 }
 for _i, _mode in enumerate(CLIPPING_MODES):
     N2[f"mode-{_mode}"] = Spec("mixed", ((3, 1), (2,)), seed=30 + _i, mode=_mode, style="layer-wise")
@@ -62,6 +64,7 @@ N3: dict[str, Spec] = {
     "tied": Spec("tied", ((2,), (0,), (4,)), seed=54),
     "bitfit": Spec("mixed", ((1,), (2,), (3,)), seed=55, bitfit=True),
     "ghost": Spec("mixed", ((3,), (1,), (2,)), seed=56, mode="ghost"),
+    "cnn": Spec("cnn", ((2,), (0,), (3,)), seed=58, style="layer-wise"),
 }
 
 def _random_specs(n: int, seed: int) -> dict[str, Spec]:
