@@ -103,9 +103,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# kernel_ops: the kernel-level A/Bs, re-exported (levers.conv_ops_ab etc.), and _consecutive_runs, a lever's
+# 'before' code
 import torch
 import zoo
-from kernel_ops import _consecutive_runs, conv_ops_ab, gram_ops_ab, noise_ab, norm_ops_ab  # noqa: F401 - re-exported (levers.conv_ops_ab etc.)
+from kernel_ops import _consecutive_runs, conv_ops_ab, gram_ops_ab, noise_ab, norm_ops_ab  # noqa: F401
 
 import fastdp.clipped_sums
 import fastdp.layers._factored
