@@ -44,6 +44,9 @@ stage roberta-T256 120 "${R[@]}" --update --models roberta --sizes 256 --batch 3
 if [[ $PLAN != short ]]; then
   # the ghost norm's Gram products with 1 (whole), 2, 4, 8, 16 strips (docs/results/cuda.md, item 11)
   stage gram-ops 60 python3 benchmarks/levers.py --gram-ops --device cuda --reps 9 --json "$OUTDIR/gram_ops_cuda.json"
+  # the same at a ViT's odd token counts, with and without a leading strip of T mod 16 rows (item 12)
+  stage gram-odd-t 30 python3 benchmarks/levers.py --gram-ops --odd-t --device cuda --reps 9 \
+    --json "$OUTDIR/gram_align_cuda.json"
   stage vit-img224 120 "${R[@]}" --update --models vit --sizes 224 --batch 32 --methods "${D[@]}" "${B[@]}"
   stage gpt2-T512-max-batch 240 python3 benchmarks/run.py --preset paper --results-dir "$OUTDIR/max_batch" \
     --in-process --max-batch --max-batch-cap 1024 --reps 3 --models gpt2 --sizes 512 --batch 16 --methods "${D[@]}"

@@ -5,6 +5,7 @@ can be done on fixed shapes, alternating calls, median milliseconds (``python be
 * :func:`noise_ab`: a step's noise drawn per parameter, into one flat buffer, by fastdp, or by numpy Box-Muller;
 * :func:`conv_ops_ab`: the convolution kind's operations on ResNet-18's layer shapes;
 * :func:`gram_ops_ab`: the ghost norm's Gram products with 1, 2, 4, 8, 16 strips;
+* :func:`gram_align_ab`: the same at odd ``T``, with and without a leading strip of ``T mod 16`` rows;
 * :func:`norm_ops_ab`: a GroupNorm's per-sample weight and bias gradients, recomputing ``x_hat`` or folded.
 """
 
@@ -243,6 +244,53 @@ def gram_ops_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = GRAM_
 #: ResNet-18's GroupNorm inputs (B, C, side) at 32², 64² and 128² images with the harness's batches (32 groups)
 RESNET_NORMS = tuple((batch, c, img // div) for img, batch in ((32, 64), (64, 16), (128, 4))
                      for c, div in ((64, 2), (64, 4), (128, 8), (256, 16), (512, 32)))
+
+
+#: (B, T, d, p) of ghost-norm layers at a token count that is not a multiple of 16: the CPU-width ViT's (patch 8 and a
+#: class token: T 17, 65 and 257 at 32², 64² and 128² images, width 192, MLP 768, q/k/v 576) and ViT-Base's at 224²
+#: (patch 16: T 197, width 768, batch 2)
+ODD_T_SHAPES = ((64, 17, 192, 576), (64, 17, 192, 768), (64, 17, 768, 192), (32, 65, 192, 576), (32, 65, 192, 768),
+                (32, 65, 768, 192), (8, 257, 192, 768), (8, 257, 768, 192), (2, 197, 768, 2304),
+                (2, 197, 768, 3072))
+
+
+def gram_align_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = ODD_T_SHAPES,
+                  device: str = "cpu", cold: bool = False) -> list[dict[str, object]]:
+    """The ghost norm's Gram products and their inner product at odd ``T``, with a leading strip of ``T mod 16`` rows
+    (:data:`fastdp.layers._matmul.GRAM_ALIGN` at 16, not the default) and without, alternating calls, median
+    milliseconds per layer shape, float32 on ``device``; the strips of ``GRAM_STRIP`` either way. ``cold``: a 64 MiB
+    buffer is written before each call, so that ``A`` and ``G`` are not in the cache (as in a step, where they were
+    written long before)."""
+    dev = torch.device(device)
+    flush = torch.zeros(16 << 20, device=dev) if cold else None
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    align = {dev.type: 16}
+    configs = {"aligned": [(fastdp.layers._matmul, "GRAM_ALIGN", align)],
+               "unaligned": [(fastdp.layers._matmul, "GRAM_ALIGN", {})]}
+    rows = []
+    for B, T, d, p in shapes:
+        gen = torch.Generator().manual_seed(0)
+        A = torch.randn(B, 1, T, d, generator=gen).to(dev)
+        G = torch.randn(B, 1, T, p, generator=gen).to(dev)
+        times: dict[str, list[float]] = {k: [] for k in configs}
+        names = list(configs)
+        for r in range(reps + 2):  # two warm-up rounds
+            for name in names[r % 2:] + names[:r % 2]:
+                with _patched(configs[name]):
+                    if flush is not None:
+                        flush.add_(1.0)
+                    sync()
+                    t0 = time.perf_counter()
+                    _matmul.strips_inner(_matmul.gram_strips(A), _matmul.gram_strips(G))
+                    sync()
+                    if r >= 2:
+                        times[name].append(time.perf_counter() - t0)
+        row: dict[str, object] = {"shape": f"B {B}, T {T}, d {d}, p {p}", "device": str(dev), "cold": cold}
+        row.update({k: 1e3 * statistics.median(ts) for k, ts in times.items()})
+        rows.append(row)
+        print(f"| {row['shape']} | {row['unaligned']:.3f} | {row['aligned']:.3f} | "
+              f"{row['aligned'] / row['unaligned']:.2f}x |", flush=True)
+    return rows
 
 
 def norm_ops_ab(reps: int, shapes: tuple[tuple[int, int, int], ...] = RESNET_NORMS) -> list[dict[str, object]]:

@@ -83,7 +83,10 @@ Levers:
   it where the ghost norms are long.
 
 ``python benchmarks/levers.py --gram-ops`` times the ghost norm's Gram products with 1 (whole), 2, 4, 8 and 16 strips on
-a few layer shapes (``fastdp.layers._matmul.GRAM_STRIP`` is chosen from it).
+a few layer shapes (``fastdp.layers._matmul.GRAM_STRIP`` is chosen from it); ``--gram-ops --odd-t`` times them at a
+ViT's odd token counts with and without a leading strip of ``T mod 16`` rows (``fastdp.layers._matmul.GRAM_ALIGN``,
+not adopted: whole steps are compared by ``run.py``'s method ``fastdp BK-MixOpt, aligned Grams``); ``--cold`` writes a
+64 MiB buffer before each call, so that the inputs come from memory as in a step.
 
 ``python benchmarks/levers.py --slack --models gpt2 roberta --widths paper --sizes 512 --batch 2`` (an option, not a
 lever: not adopted) compares the default mode's matrix-product FLOPs and peak live tensors, as ratios to
@@ -103,10 +106,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# kernel_ops: the kernel-level A/Bs, re-exported (levers.conv_ops_ab etc.), and _consecutive_runs, a lever's
-# 'before' code
+import kernel_ops  # the kernel-level A/Bs
 import torch
 import zoo
+
+# from kernel_ops, re-exported (levers.conv_ops_ab etc.), and _consecutive_runs, a lever's 'before' code
 from kernel_ops import _consecutive_runs, conv_ops_ab, gram_ops_ab, noise_ab, norm_ops_ab  # noqa: F401
 
 import fastdp.clipped_sums
@@ -396,11 +400,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="only the convolution kind's operations on ResNet-18's layer shapes, every way (ms)")
     p.add_argument("--gram-ops", action="store_true",
                    help="only the ghost norm's Gram products with 1, 2, 4, 8, 16 strips on a few layer shapes (ms)")
+    p.add_argument("--odd-t", action="store_true",
+                   help="with --gram-ops: the Gram products at a ViT's odd T, with and without a leading strip (ms)")
+    p.add_argument("--cold", action="store_true",
+                   help="with --gram-ops --odd-t: the inputs evicted from the cache before each call")
     p.add_argument("--norm-ops", action="store_true",
                    help="only a GroupNorm's per-sample gradients on ResNet-18's shapes, recomputed or folded (ms)")
     p.add_argument("--device", default="cpu", help="--gram-ops: where the products run (cpu, cuda)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gram_ops and args.odd_t:
+        print("| layer | strips over all T | leading strip of T mod 16 | ratio |")
+        print("|---" * 4 + "|")
+        _save(args, "ms", kernel_ops.gram_align_ab(args.reps, device=args.device, cold=args.cold))
+        return
     if args.gram_ops:
         print("| layer | whole | 2 strips | 4 strips | 8 strips | 16 strips |")
         print("|---" * 6 + "|")

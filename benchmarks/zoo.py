@@ -17,7 +17,9 @@ A *method* is how one training step is taken:
   (instantiation on arrival switched off, docs/internals/clipping.md), ``fastdp BK-MixOpt, no probe``
   (``verify_structure=False``), ``fastdp BK-MixOpt, slack 1.25`` (``fastdp.layers._matmul.INSTANTIATION_SLACK``
   1.25 during its steps, ``MODULE_SWITCHES``) and ``fastdp BK-MixOpt, full Grams`` (ghost norms from whole ``T x T``
-  Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP`` at one strip).
+  Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP`` at one strip) and ``fastdp BK-MixOpt,
+  aligned Grams`` (at a ``T`` that is not a multiple of 16, a leading strip of ``T mod 16`` rows:
+  ``fastdp.layers._matmul.GRAM_ALIGN``, not adopted).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -48,12 +50,14 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, no probe": ({"verify_structure": False}, {}),
     f"{DEFAULT_METHOD}, slack 1.25": ({}, {}),
     f"{DEFAULT_METHOD}, full Grams": ({}, {}),
+    f"{DEFAULT_METHOD}, aligned Grams": ({}, {}),
 }
 #: A/B variants that set a fastdp module constant for the duration of each of their steps: method -> [(module,
 #: attribute, value)]
 MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     f"{DEFAULT_METHOD}, slack 1.25": [("fastdp.layers._matmul", "INSTANTIATION_SLACK", 1.25)],
     f"{DEFAULT_METHOD}, full Grams": [("fastdp.layers._matmul", "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})],
+    f"{DEFAULT_METHOD}, aligned Grams": [("fastdp.layers._matmul", "GRAM_ALIGN", {"cpu": 16, "cuda": 16})],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS)
@@ -383,4 +387,5 @@ def make_step(w: Workload, method: str, device: torch.device, seed: int = 0, lr:
             plain_step(data)
 
     step.engine = engine  # type: ignore[attr-defined]  # (None for non-private methods; probe_stats for reports)
+    step.parts = (model, opt)  # type: ignore[attr-defined]  # (benchmarks/phases.py times a step's parts)
     return step

@@ -84,24 +84,53 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch
 GRAM_STRIP = {"cpu": (64, 4), "default": (128, 8)}
 
 
+#: on these device types a Gram matrix whose ``T`` is not a multiple of the value is cut so that its ``T mod a``
+#: leading positions form a strip of their own and the other strips cover a multiple of ``a`` positions
+#: (:func:`gram_strips`). Empty (no device type): measured on CPU and not adopted. torch's CPU ``bmm`` runs a
+#: ``17 x 17`` product far below its rate at ``16 x 16``, and the aligned cut took 0.80-1.00x the time of the
+#: products on warm inputs (``python benchmarks/levers.py --gram-ops --odd-t``) but 0.99-1.09x at T 17 and 65 on
+#: inputs not in the cache (``--cold``: the leading strip reads every row again), and whole ViT steps were no faster
+#: (``fastdp BK-MixOpt, aligned Grams`` in ``benchmarks/run.py``: 1.37x against 1.38x non-private at 32², 1.38x
+#: against 1.37x at 64², 1.16x both at 128²). Not measured on a GPU.
+GRAM_ALIGN: dict[str, int] = {}
+
+
 def strip_count(X: torch.Tensor) -> int:
-    """``K = min(K_max, T // h)`` (at least 1) strips for ``X`` ``(B, g, T, m)`` on its device (:data:`GRAM_STRIP`)."""
+    """``K = min(K_max, T // h)`` (at least 1) strips for ``X`` ``(B, g, T, m)`` on its device (:data:`GRAM_STRIP`),
+    not counting the strip of :func:`leading_rows`; ``T`` is then the positions after it."""
     h, k_max = GRAM_STRIP.get(X.device.type, GRAM_STRIP["default"])
-    return max(1, min(k_max, X.shape[2] // h))
+    return max(1, min(k_max, (X.shape[2] - leading_rows(X)) // h))
+
+
+def leading_rows(X: torch.Tensor) -> int:
+    """``r = T mod a`` (``a`` = :data:`GRAM_ALIGN` of ``X``'s device type) when ``T > a``, else 0: the positions
+    :func:`gram_strips` gives a strip of their own so that the rest is a multiple of ``a``."""
+    a = GRAM_ALIGN.get(X.device.type, 0)
+    T = X.shape[2]
+    return T % a if a > 1 and T > a else 0
 
 
 def gram_strips(X: torch.Tensor) -> list[torch.Tensor]:
-    """The upper triangle of ``X_i X_i^T`` (``X`` ``(B, g, T, m)``) by ``K`` = :func:`strip_count` strips of about
-    equal height ``h = ceil(T / K)``: strip ``k`` is rows ``[kh, kh + h)`` against columns ``[kh, T)``,
-    ``(B, g, h_k, T - kh)``. A Gram matrix is symmetric, so the strips hold everything; they take about
-    ``(K + 1) / 2K`` of the full product's multiply-adds (5/8 for 4 strips), and the largest is ``h x T``, not
-    ``T x T``. ``K = 1``: the full Gram matrix."""
+    """The upper triangle of ``X_i X_i^T`` (``X`` ``(B, g, T, m)``) in strips: strip ``k`` is rows ``[s_k, s_{k+1})``
+    against columns ``[s_k, T)``, ``(B, g, s_{k+1} - s_k, T - s_k)``, its leading square block on the diagonal.
+
+    * When :func:`leading_rows` gives ``r > 0``, the first strip is rows ``[0, r)`` (against all ``T`` columns) and
+      the rest is cut as below over the last ``T - r`` positions, a multiple of :data:`GRAM_ALIGN`.
+    * The ``T'`` positions left are cut into ``K`` = :func:`strip_count` strips of about equal height
+      ``h = ceil(T' / K)``.
+
+    A Gram matrix is symmetric, so the strips hold everything; ``K`` strips take about ``(K + 1) / 2K`` of the full
+    product's multiply-adds (5/8 for 4 strips), and the largest is ``h x T``, not ``T x T``. One strip (``K = 1``,
+    ``r = 0``): the full Gram matrix."""
     T = X.shape[2]
+    r = leading_rows(X)
     K = strip_count(X)
-    if K == 1:
+    if K == 1 and r == 0:
         return [torch.matmul(X, X.transpose(-1, -2))]
-    h = -(-T // K)
-    return [torch.matmul(X[:, :, lo:lo + h], X[:, :, lo:].transpose(-1, -2)) for lo in range(0, T, h)]
+    h = -(-(T - r) // K)
+    starts = ([0] if r else []) + list(range(r, T, h))
+    ends = starts[1:] + [T]
+    return [torch.matmul(X[:, :, lo:hi], X[:, :, lo:].transpose(-1, -2)) for lo, hi in zip(starts, ends, strict=True)]
 
 
 def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:

@@ -186,6 +186,15 @@ def test_variants_set_their_switches():
         matmul.gram_strips = real_strips
     assert strips and set(strips) == {1} and matmul.GRAM_STRIP["cpu"] == (64, 4)  # whole Grams for its steps only
 
+    aligned = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, aligned Grams", torch.device("cpu"))
+    seen_align = []
+    try:
+        matmul.gram_strips = lambda X: seen_align.append(dict(matmul.GRAM_ALIGN)) or real_strips(X)
+        aligned(zoo.make_batch(w, torch.device("cpu")))
+    finally:
+        matmul.gram_strips = real_strips
+    assert seen_align and all(a.get("cpu") == 16 for a in seen_align) and matmul.GRAM_ALIGN == {}  # its steps only
+
 
 def test_workload_refuses_a_width_set_without_the_model():
     with pytest.raises(ValueError, match="width set 'wide' has no 'vit'"):
@@ -306,7 +315,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
                 dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
-                groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs)
+                groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs, dict(fastdp.layers._matmul.GRAM_ALIGN))
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -355,6 +364,37 @@ def test_levers_gram_ops_times_every_strip_count_and_restores(capsys):
     rows = levers.gram_ops_ab(1, shapes=((2, 40, 3, 5),), counts=(1, 2, 4))  # 4 strips of 10 rows: under 16, left out
     assert [set(r) for r in rows] == [{"shape", "device", "K 1", "K 2"}] and matmul.GRAM_STRIP == real
     assert "| B 2, T 40, d 3, p 5 |" in capsys.readouterr().out
+
+
+def test_levers_gram_align_ab_times_both_cuts_and_restores(capsys):
+    import kernel_ops
+
+    import fastdp.layers._matmul as matmul
+
+    real = dict(matmul.GRAM_ALIGN)
+    rows = kernel_ops.gram_align_ab(1, shapes=((2, 17, 3, 5),))
+    assert [set(r) for r in rows] == [{"shape", "device", "cold", "aligned", "unaligned"}] and matmul.GRAM_ALIGN == real
+    assert "| B 2, T 17, d 3, p 5 |" in capsys.readouterr().out
+
+
+def test_phases_time_every_stage_and_restore_the_functions(capsys, tmp_path):
+    """``benchmarks/phases.py``: both methods' steps in parts, fastdp's stages timed inside them (no timing is
+    asserted: only that each stage ran where it must and nothing stays patched)."""
+    import phases
+
+    from fastdp.capture import Capture
+
+    before = [getattr(owner, name) for owner, name, _ in phases.TIMED]
+    phases.main(["--models", "tinycls", "--sizes", "8", "--widths", "tiny", "--batch", "2", "--reps", "1",
+                 "--warmup", "1", "--json", str(tmp_path / "p.json")])
+    ms = json.loads((tmp_path / "p.json").read_text())["ms"]["tinycls-tiny-T8-B2"]
+    base, dp = ms["non-private"], ms[zoo.DEFAULT_METHOD]
+    assert set(base) == set(dp) == set(phases.COLUMNS)
+    assert all(base[s] == 0 for s in phases.STAGES)  # no engine: no stage ran
+    assert all(dp[s] > 0 for s in phases.STAGES) and dp["norms"] < dp["clipping"] and dp["noise"] < dp["release"]
+    assert "| tinycls-tiny-T8-B2 | extra |" in capsys.readouterr().out
+    assert [getattr(owner, name) for owner, name, _ in phases.TIMED] == before
+    assert Capture.on_output_grad.__name__ == "on_output_grad"
 
 
 def test_levers_memory_mode_runs_and_restores(capsys, tmp_path):

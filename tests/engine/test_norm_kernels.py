@@ -140,20 +140,28 @@ def test_the_gram_cache_lives_for_one_pass_only():
 
 # ---------------------------------------------------------------------------------------------- Gram strips
 @pytest.mark.parametrize("T,b", [(1, 4), (4, 4), (5, 4), (7, 4), (8, 4), (9, 4), (13, 3), (7, 1), (0, 4), (64, 64),
-                                 (65, 64), (127, 64), (128, 64), (300, 64)])
+                                 (65, 64), (127, 64), (128, 64), (300, 64), (17, 64), (31, 8)])
 @pytest.mark.parametrize("B,g", [(3, 1), (2, 3), (0, 1), (1, 2)])
-def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, monkeypatch):
+@pytest.mark.parametrize("align", [0, 4, 16])
+def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, align, monkeypatch):
     monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (b, 1 << 30), "default": (b, 1 << 30)})
+    monkeypatch.setattr(_matmul, "GRAM_ALIGN", {"cpu": align})
     gen = torch.Generator().manual_seed(T * 31 + b)
     A = torch.randn(B, g, T, 5, generator=gen, dtype=torch.float64)
     G = torch.randn(B, g, T, 7, generator=gen, dtype=torch.float64)
     strips = _matmul.gram_strips(A)
-    K = max(1, T // b)  # strips of equal height ceil(T / K); one (the whole Gram) below 2b rows
-    h = -(-T // K) if T else 0
-    assert len(strips) == (1 if K == 1 else -(-T // h))
+    r = T % align if align > 1 and T > align else 0  # leading positions in a strip of their own
+    K = max(1, (T - r) // b)  # then strips of equal height ceil((T - r) / K); one below 2b rows
+    h = -(-(T - r) // K) if T else 1
+    starts = ([0] if r else []) + list(range(r, T, h))
+    if not starts:  # T = 0: the whole (empty) Gram
+        starts = [0]
+    assert len(strips) == len(starts)
     full = A @ A.transpose(-1, -2)
-    for k, s in enumerate(strips):  # each strip: rows [kh, kh + h) against columns [kh, T)
-        torch.testing.assert_close(s, full if K == 1 else full[:, :, k * h:k * h + h, k * h:], rtol=1e-13, atol=1e-13)
+    for s, lo, hi in zip(strips, starts, starts[1:] + [T], strict=True):  # rows [lo, hi) against columns [lo, T)
+        torch.testing.assert_close(s, full[:, :, lo:hi, lo:], rtol=1e-13, atol=1e-13)
+        if r and lo == r:
+            assert (T - lo) % align == 0  # the other strips cover a multiple of the alignment
     want = (full * (G @ G.transpose(-1, -2))).sum(dim=(1, 2, 3))
     got = _matmul.strips_inner(strips, _matmul.gram_strips(G))
     assert got.shape == (B,)
@@ -162,6 +170,19 @@ def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, monkeypatch):
     psg = torch.einsum("bgtp,bgtd->bgpd", G, A)
     torch.testing.assert_close(_matmul.ghost_norm_sq(A, G, share=False), psg.square().sum(dim=(1, 2, 3)),
                                rtol=1e-11, atol=1e-11)
+
+
+def test_odd_positions_get_a_leading_strip_when_aligned(monkeypatch):
+    # an alignment of 16 (benchmarks' "aligned Grams"): a ViT's 17 tokens are cut 1 + 16 (whole below 64 rows
+    # otherwise), 257 as 1 + 4 x 64; not the default
+    assert _matmul.leading_rows(torch.randn(2, 1, 17, 8)) == 0
+    monkeypatch.setattr(_matmul, "GRAM_ALIGN", {"cpu": 16})
+    A = torch.randn(2, 1, 17, 8)
+    assert [tuple(s.shape) for s in _matmul.gram_strips(A)] == [(2, 1, 1, 17), (2, 1, 16, 16)]
+    assert [tuple(s.shape[2:]) for s in _matmul.gram_strips(torch.randn(1, 1, 257, 4))] == [
+        (1, 257), (64, 256), (64, 192), (64, 128), (64, 64)]
+    assert len(_matmul.gram_strips(torch.randn(2, 1, 16, 8))) == 1  # a multiple of 16: whole
+    assert len(_matmul.gram_strips(torch.randn(2, 1, 15, 8))) == 1  # at most 16 positions: whole
 
 
 def test_gram_strips_take_fewer_multiply_adds():
@@ -184,9 +205,12 @@ def test_gram_strips_take_fewer_multiply_adds():
 
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost"])
 @pytest.mark.parametrize("B", [1, 5, 6])  # B = 6 = T
-def test_engine_with_gram_strips_matches_the_oracle(mode, B, monkeypatch):
-    # strips of 2 rows over T = 6 positions (3 strips), q/k/v sharing one input's strips, a conv over 9 positions
+@pytest.mark.parametrize("align", [0, 4])
+def test_engine_with_gram_strips_matches_the_oracle(mode, B, align, monkeypatch):
+    # strips of 2 rows over T = 6 positions (3 strips; with an alignment of 4, a leading strip of 2 rows and 2 strips
+    # over the other 4), q/k/v sharing one input's strips
     monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (2, 8), "default": (2, 8)})
+    monkeypatch.setattr(_matmul, "GRAM_ALIGN", {"cpu": align})
     torch.manual_seed(1)
     model = Attention(16).double()
     gen = torch.Generator().manual_seed(B)
