@@ -23,8 +23,8 @@ device (the stages then no longer overlap: use it to attribute, not to time the 
 
 Usage::
 
-    python benchmarks/phases.py --models roberta vit resnet --sizes 64 --reps 11
-    python benchmarks/phases.py --models gpt2 --sizes 256 --json benchmarks/results/phases_cpu.json
+    python benchmarks/phases.py --json benchmarks/results/phases_cpu.json   # the targets' 15 workloads (~5 minutes)
+    python benchmarks/phases.py --models roberta vit --sizes 64 --reps 21
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def print_rows(tag: str, result: dict[str, dict[str, float]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["roberta", "vit", "resnet"], choices=zoo.MODELS)
-    p.add_argument("--sizes", nargs="+", type=int, default=None, help="default: each model's smallest")
+    p.add_argument("--models", nargs="+", default=["gpt2", "roberta", "vit", "resnet", "tinycls"], choices=zoo.MODELS)
+    p.add_argument("--sizes", nargs="+", type=int, default=None, help="default: each model's sizes of the harness")
     p.add_argument("--widths", default="cpu")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--reps", type=int, default=11)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---" * (2 + len(COLUMNS)) + "|")
     out = {}
     for m in args.models:
-        for s in args.sizes or zoo.DEFAULT_SIZES[m][:1]:
+        for s in args.sizes or zoo.DEFAULT_SIZES[m]:
             w = zoo.Workload(m, s, args.batch or zoo.default_batch(m, s, args.widths), args.widths)
             out[w.tag] = measure(w, device, args.reps, args.warmup)
             print_rows(w.tag, out[w.tag])
