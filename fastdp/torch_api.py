@@ -204,6 +204,8 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
     tensors of the input's size.
     """
     _, C, hw = x.shape
+    # contiguous: off the CPU both kernels refuse another layout (a (1, B C, S) view of a sliced input can be one)
+    x, grad_out = x.contiguous(), grad_out.contiguous()
     _, mean, rstd = torch.native_group_norm(x, None, None, 1, C, hw, groups, eps)
     _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
         grad_out, x, mean, rstd, None, 1, C, hw, groups, [False, True, True])

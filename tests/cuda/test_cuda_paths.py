@@ -388,3 +388,22 @@ def test_a_nonfinite_sample_on_the_device_refuses_the_step(monkeypatch):
     loss(m(x.to(DEVICE)), y.to(DEVICE)).mean().backward()
     opt.step()
     assert engine.steps == 1
+
+
+def test_folded_group_norm_on_the_device_takes_sliced_inputs(monkeypatch):
+    """The GroupNorm kind's fused per-sample gradients on the device (torch's group-norm kernels refuse a
+    non-contiguous input off the CPU) for an input and output gradient sliced along their positions, against
+    ``x_hat`` recomputed (float64)."""
+    from fastdp.layers.kinds import groupnorm
+
+    module = nn.GroupNorm(2, 4).double().to(DEVICE)
+    x = torch.randn(3, 4, 40, dtype=torch.float64, device=DEVICE)[:, :, :20]
+    G = torch.randn(3, 4, 40, dtype=torch.float64, device=DEVICE)[:, :, 5:25]
+    kind = groupnorm.GroupNormKind()
+    folded = kind.prepare(module, x, G)
+    assert isinstance(folded, groupnorm.FoldedGrads)
+    monkeypatch.setattr(groupnorm, "FOLDED_MIN_POSITIONS", 0)
+    recomputed = kind.prepare(module, x, G)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(kind.per_sample_grad(module, folded, name),
+                                   kind.per_sample_grad(module, recomputed, name), rtol=1e-10, atol=1e-12)

@@ -292,3 +292,32 @@ def test_groupnorm_folded_grads_are_the_recomputed_ones(shape, groups, monkeypat
     for name in ("weight", "bias"):
         torch.testing.assert_close(kind.per_sample_grad(module, folded, name),
                                    kind.per_sample_grad(module, recomputed, name), rtol=1e-10, atol=1e-12)
+
+
+def test_groupnorm_folded_kernel_gets_contiguous_tensors(monkeypatch):
+    """Off the CPU, torch's group-norm kernels refuse a non-contiguous input. A sliced input or output gradient
+    (``(B, C, L)`` cut along ``L``) folds into a ``(1, B C, L)`` view that is not contiguous: the kernels must get
+    contiguous copies, with the same per-sample gradients (the CPU kernel, which accepts the view, checks them)."""
+    from fastdp import torch_api
+    from fastdp.layers.kinds import groupnorm
+
+    seen = []
+    real = torch.native_group_norm
+
+    def checking(x, *args):
+        seen.append(x.is_contiguous())
+        return real(x, *args)
+
+    monkeypatch.setattr(torch, "native_group_norm", checking)
+    module = nn.GroupNorm(2, 4).double()
+    x = torch.randn(3, 4, 40, dtype=torch.float64)[:, :, :20]
+    G = torch.randn(3, 4, 40, dtype=torch.float64)[:, :, 5:25]
+    assert not x.reshape(1, 12, 20).is_contiguous()
+    kind = groupnorm.GroupNormKind()
+    folded = kind.prepare(module, x, G)
+    assert isinstance(folded, groupnorm.FoldedGrads) and seen == [True]
+    want = kind.prepare(module, x.contiguous(), G.contiguous())
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(kind.per_sample_grad(module, folded, name), kind.per_sample_grad(module, want, name),
+                                   rtol=1e-12, atol=1e-12)
+    assert torch_api.group_norm_affine_grads.__module__ == "fastdp.torch_api"
