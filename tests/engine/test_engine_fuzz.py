@@ -115,19 +115,22 @@ def draw_chain(draw):
                 L2 = m(torch.zeros(1, C, L)).shape[-1]
             preserve, C, L = (C2, L2) == (C, L), C2, L2
         elif op == "layernorm":
-            # (a single normalized element gives x_hat = rounding noise: excluded, ill-conditioned downstream)
-            m, preserve = (nn.LayerNorm(L) if L >= 2 else nn.GELU()), True
+            # (a single normalized element gives x_hat = rounding noise: excluded, ill-conditioned downstream; over
+            # two, x_hat = +-1 up to eps and the input gradient is cancellation noise, exactly 0 at eps = 0, so the
+            # gradients of everything upstream are float64 rounding: excluded too, like every mean-and-variance
+            # norm below over fewer than 3 values)
+            m, preserve = (nn.LayerNorm(L) if L >= 3 else nn.GELU()), True
         elif op == "layernorm2":
-            m, preserve = (nn.LayerNorm((C, L), bias=draw(st.booleans())) if C * L >= 2 else nn.GELU()), True
+            m, preserve = (nn.LayerNorm((C, L), bias=draw(st.booleans())) if C * L >= 3 else nn.GELU()), True
         elif op == "rmsnorm":
             # RMSNorm over one element is sign(x)*w: its input gradient is pure cancellation noise (excluded)
             m, preserve = (nn.RMSNorm(L) if L >= 2 else nn.GELU()), True
         elif op == "groupnorm":
             G = draw(st.sampled_from([d for d in range(1, C + 1) if C % d == 0]))
-            m = nn.GroupNorm(G, C) if (C // G) * L >= 2 else nn.GELU()  # torch needs > 1 value per group
+            m = nn.GroupNorm(G, C) if (C // G) * L >= 3 else nn.GELU()  # (torch needs > 1 value per group)
             preserve = True
         elif op == "instancenorm":
-            if L < 2:
+            if L < 3:
                 m = nn.GELU()
             else:
                 m = nn.InstanceNorm1d(C, affine=True)
