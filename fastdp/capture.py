@@ -404,8 +404,9 @@ class Capture:
             # fully_shard: each sharded sum is reduce-scattered to this rank's rows as it is formed
             stream = None if sharding is None else sharding.stream(done, self.plan.param_of)
             try:
-                # GhostClip's and the generic path's replays call the modules again (inert hooks; they re-enter
-                # the forward's own autocast regions); the rest runs outside any autocast region
+                # GhostClip's and the generic path's replays call the modules again (inert hooks; the generic
+                # path re-enters the forward's own autocast regions, GhostClip's second backward runs in float32);
+                # the rest runs outside any autocast region
                 with self.inert_hooks(), clipping_precision(), deferred.collecting() as checks:
                     result = clipped_sums(done, self.plan.param_of, cfg, stream)
             except BaseException:

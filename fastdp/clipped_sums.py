@@ -31,7 +31,7 @@ from torch.func import functional_call
 from fastdp.clipping import ClipFn
 from fastdp.deferred import DeferredCheck, defers
 from fastdp.layers._matmul import reused_scratch, shared_input_grams
-from fastdp.layers.base import accumulation_dtype, replay_autocast
+from fastdp.layers.base import accumulation_dtype, to_accumulation
 from fastdp.modes import ClippingMode
 from fastdp.norms import batch_size_of, norm_sq, per_sample_grad, shared_norm_sq, use_ghost
 from fastdp.records import Record
@@ -108,14 +108,20 @@ def _add(out: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, value: torc
 
 
 def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str, torch.Tensor]:
-    """GhostClip's second backward, layer-local: gradients of ``sum_i coef_i <G_i, out_i>`` w.r.t. ``names``."""
+    """GhostClip's second backward, layer-local: gradients of ``sum_i coef_i <G_i, out_i>`` w.r.t. ``names``.
+
+    In at least float32 and outside every autocast region (the clipping stage's numerics), from the kept input and
+    output gradient cast up: the per-sample norms that gave ``coef`` were formed from the same tensors in the same
+    precision, so ``||coef_i g_i|| <= R`` holds to float32 rounding. Replaying the forward's float16 or bfloat16
+    autocast instead rounded ``coef_i G_i`` and the products to that dtype (subnormal at a small threshold): a
+    sample's clipped gradient came out up to 1.6 R."""
     module = rec.module
-    with torch.enable_grad(), replay_autocast(rec.autocast):
-        leaves = {n: getattr(module, n).detach().requires_grad_(True) for n in names}
-        out = functional_call(module, leaves, (rec.activation,))
-        g = rec.grad_output
+    with torch.enable_grad():
+        leaves = {n: to_accumulation(getattr(module, n).detach()).requires_grad_(True) for n in names}
+        out = functional_call(module, leaves, (to_accumulation(rec.activation),))
+        g = to_accumulation(rec.grad_output)
         # the product in float32: under a loss scale, coef is ~1/S and g ~S (either alone may leave float16's range)
-        weights = (g.to(accumulation_dtype(g.dtype)) * coef.view(-1, *([1] * (g.dim() - 1)))).to(g.dtype)
+        weights = (g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))).to(out.dtype)
         grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=weights)
     return dict(zip(names, grads, strict=True))
 

@@ -152,6 +152,8 @@ def well_conditioned(model: nn.Module, per_sample_loss, batches, names, psg=None
     b2 = [(pert(x), y) for x, y in batches]
     psg2 = per_sample_grads(m2, per_sample_loss, b2, names)
     glob = max([1e-30] + [float(v.abs().max()) for v in psg.values() if v.numel()])
+    if glob < 1e-9:  # every per-sample gradient is float64 rounding (a norm of a constant vector: a padding row)
+        return False
     for n in names:
         if psg[n].numel() == 0:
             continue

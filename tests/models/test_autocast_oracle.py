@@ -13,6 +13,8 @@ tolerance, so a missing clipping (or a loss scale left in the norms) cannot pass
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from model_oracle import LMWrap, gpt2, lm_batches, lm_loss, quiet_transformers, rel_err
@@ -118,3 +120,36 @@ def test_backward_inside_autocast_clips_in_float32(family, dtype, mode):
         opt.step()
         released.append(released_grads(model, names))
     assert rel_err(released[1], released[0]) < 1e-6, rel_err(released[1], released[0])
+
+
+@pytest.mark.parametrize("R", [1e-6, 1e-2, 1.0])
+@pytest.mark.parametrize("scale", [None, 2.0**10])
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_each_samples_clipped_gradient_stays_within_the_threshold_under_autocast(dtype, mode, scale, R):
+    """The sensitivity bound itself: a batch of one sample, every sample clipped, noise off, so the release times B
+    is ``C_1 g_1``, whose norm must not exceed ``R`` beyond float32 rounding, in every mode. GhostClip's second
+    backward (``ghost``, and the replays of ``BK-MixGhostClip``) once re-entered the forward's float16 autocast:
+    ``coef_i G_i`` then rounded to float16 (subnormal at small ``R``) and released up to 1.6 R."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(4)
+    worst = 0.0
+    for _ in range(4):
+        x, y = torch.randn(1, 12, 16, generator=g) * 3, torch.randn(1, 12, 4, generator=g)
+        m = copy.deepcopy(model)
+        engine = make_engine(m, batch_size=1, R=R, mode=mode)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale)
+        engine.attach(opt, scaler=scaler)
+        with torch.autocast("cpu", dtype=dtype):
+            lo = (0.5 * (m(x).float() - y).pow(2).sum(dim=(1, 2))).mean()
+        (lo if scaler is None else scaler.scale(lo)).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+        grads = released_grads(m, trainable_names(m))
+        norm = float(torch.sqrt(sum(v.double().square().sum() for v in grads.values())))
+        worst = max(worst, norm / R)
+    assert 0.99 < worst <= 1 + 1e-5, worst  # clipped (the norms are far above R) and within R
