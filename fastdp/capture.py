@@ -359,7 +359,7 @@ class Capture:
             if broadcast and activation.dim() >= 1 and activation.shape[0] == 1:
                 activation = activation.expand(B, *activation.shape[1:])
         rec = Record(module=module, kind=kind, names=names, activation=activation, autocast=autocast_state(),
-                     forward=self.current_forward())
+                     forward=self.current_forward(), rootless=not self.roots)
         if self.pending and _same_tensor(self.pending[-1].activation, activation):  # q, k, v: one input, kept once
             rec.readers = self.pending[-1].readers
             rec.readers[0] += 1

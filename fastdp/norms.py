@@ -78,7 +78,13 @@ def batch_size_of(records: list[Record]) -> int:
             "(shared by all samples) must have size 1 there (it is then broadcast). A layer whose input folds "
             "the batch into another dimension (a leading size that is a multiple of the batch size, as in "
             "x.reshape(-1, d) before a Linear: HF OPT's decoder layers do this), or has no batch dimension, cannot "
-            "be attributed to samples. Keep the batch dimension in the model's forward, or freeze those layers.")
+            "be attributed to samples. Keep the batch dimension in the model's forward, or freeze those layers."
+            + (" Here some layers ran in a call of a submodule on its own (such as model.transformer(...) of a "
+               "Hugging Face model), outside a call of the model the engine was built with: the engine learns the "
+               "batch size from that call, and without it cannot broadcast an input of batch size 1 (a (1, T) "
+               "position table). Call the engine's model itself (wrap the submodule and your head in one "
+               "nn.Module and build the engine on it), or give every input its batch dimension (e.g. position_ids "
+               "of shape (B, T))." if any(r.rootless for r in records) else ""))
     return distinct.pop()
 
 

@@ -46,6 +46,9 @@ class Record:
     #: the record's clipped sums are formed and what it kept is freed (:func:`fastdp.clipped_sums._drop_kept`); a
     #: later backward pass through the same call is refused as a second one
     summed: bool = False
+    #: recorded in a call of a submodule on its own (no call of the engine's model around it): the call's batch size
+    #: was unknown, so an output of leading size 1 (a position table) was not broadcast to the batch
+    rootless: bool = False
 
     @property
     def grad_output(self) -> torch.Tensor | None:
