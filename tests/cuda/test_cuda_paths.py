@@ -251,6 +251,23 @@ def test_autocast_on_the_device_matches_the_autocast_oracle(name, dtype, mode):
     assert rel_err(clipped_sum(psg, groups, "abadi", 1e12, B), want) > 10 * tol
 
 
+@pytest.mark.parametrize("R", [1e-6, 1.0])
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_each_clipped_gradient_stays_within_the_threshold_under_autocast_on_the_device(dtype, mode, R):
+    """``||C_1 g_1|| <= R`` for a batch of one under bf16/fp16 autocast on the device, every sample clipped (GhostClip's
+    second backward once replayed the autocast and released up to 1.6 R in fp16 at R 1e-6)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(4)
+    worst = 0.0
+    for _ in range(3):
+        data = [((torch.randn(1, 12, 16, generator=g) * 3,), torch.randn(1, 12, 4, generator=g))]
+        got, _ = release_on_device(model, mse, data, mode=mode, R=R, B=1, autocast=dtype)
+        worst = max(worst, float(torch.sqrt(sum(v.double().square().sum() for v in got.values()))) / R)
+    assert 0.99 < worst <= 1 + 1e-5, worst
+
+
 @pytest.mark.parametrize("secure", [False, True])
 def test_noise_is_drawn_on_the_device_with_the_right_scale(secure):
     """sigma R / B noise per coordinate, on the parameter's device, once per logical step (zero data gradient:
