@@ -36,7 +36,7 @@ from torch import nn
 from fastdp import capture_generic, deferred, empty_batch, hf_guard, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
-from fastdp.layers.base import LayerKind, autocast_state, clipping_precision
+from fastdp.layers.base import LayerKind, clipping_precision
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry
 from fastdp.records import Record
@@ -358,8 +358,8 @@ class Capture:
             activation = kind.capture(module, inputs)
             if broadcast and activation.dim() >= 1 and activation.shape[0] == 1:
                 activation = activation.expand(B, *activation.shape[1:])
-        rec = Record(module=module, kind=kind, names=names, activation=activation, autocast=autocast_state(),
-                     forward=self.current_forward(), rootless=not self.roots)
+        rec = Record(module=module, kind=kind, names=names, activation=activation, forward=self.current_forward(),
+                     rootless=not self.roots)
         if self.pending and _same_tensor(self.pending[-1].activation, activation):  # q, k, v: one input, kept once
             rec.readers = self.pending[-1].readers
             rec.readers[0] += 1

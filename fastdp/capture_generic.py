@@ -151,7 +151,7 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
                                label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims,
                                call_index=k_call)
     rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
-                 autocast=call.autocast, forward=cap.current_forward())
+                 forward=cap.current_forward())
     call.grads.extend([None] * len(hooked))
     for k, j in enumerate(hooked):
         out = new_leaves[j]
@@ -174,7 +174,7 @@ def _expanded_record(cap: Any, module: nn.Module, exp: expand.ExpandedCall, name
                                names=tuple(sorted(names)), label=label, autocast=autocast_state(),
                                expanded=exp.names)
     rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
-                 autocast=call.autocast, forward=cap.current_forward())
+                 forward=cap.current_forward())
     call.grads.extend([None] * len(exp.names))
     for k, n in enumerate(exp.names):
         exp.expanded[n].register_hook(partial(cap.on_output_grad, rec, k))

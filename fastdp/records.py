@@ -30,7 +30,6 @@ class Record:
     names: frozenset[str]  # the module's trainable parameter names (paths relative to the module)
     activation: Any
     grads: list[torch.Tensor | None] = field(default_factory=lambda: [None])
-    autocast: tuple[tuple[str, torch.dtype], ...] = ()
     ctx: Any = field(default=None, repr=False)
     #: per-sample gradients instantiated when the output gradient arrived (:func:`instantiate_on_arrival`); the
     #: activation and the output gradient are then dropped and ``batch`` holds the call's batch size
