@@ -497,15 +497,17 @@ class PrivacyEngine:
         """Privacy spent by the steps taken so far.
 
         Returns:
-            ``{"epsilon": float, "delta": float, "accountant": str, "steps": int}``; epsilon is ``inf`` when
-            steps were taken with ``noise_multiplier=0``.
+            ``{"epsilon": float, "delta": float, "accountant": str, "steps": int, "upper_bound": bool}``; epsilon
+            is ``inf`` when steps were taken with ``noise_multiplier=0``; ``upper_bound`` is ``False`` for the GDP
+            accountant's CLT approximation, which can underestimate epsilon.
         """
         delta = self.target_delta if delta is None else delta
         if self.noiseless_steps > 0:
             eps = math.inf
         else:
             eps = float(self.accountant.get_epsilon(delta))
-        return {"epsilon": eps, "delta": delta, "accountant": self.accountant.name, "steps": self.steps}
+        return {"epsilon": eps, "delta": delta, "accountant": self.accountant.name, "steps": self.steps,
+                "upper_bound": self.accountant.name != "gdp"}
 
     def live_epsilon(self, delta: float | None = None) -> float:
         """A cheap running epsilon for progress bars and logs: the RDP upper bound of the steps so far

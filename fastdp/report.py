@@ -26,7 +26,7 @@ import math
 import warnings
 from typing import Any
 
-from fastdp.accounting.gdp import GDP_WARNING
+from fastdp.accounting.gdp import warning_labelled_elsewhere
 from fastdp.accounting.live import LIVE_BOUND, live_epsilon
 from fastdp.accounting.prv import PRVFallbackWarning
 from fastdp.accounting.registry import ACCOUNTANTS
@@ -80,9 +80,8 @@ def _epsilons(engine: Any, delta: float) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in ("prv", "rdp", "gdp"):
         acc = engine.accountant if engine.accountant.name == name else ACCOUNTANTS[name]()
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, warning_labelled_elsewhere():  # GDP labelled below
             warnings.simplefilter("always", PRVFallbackWarning)
-            warnings.filterwarnings("ignore", message=GDP_WARNING.split(" (")[0])  # labelled below
             value = acc.get_epsilon(delta) if acc is engine.accountant else acc.epsilon_of(ledger, delta)
         kind = KINDS[name]
         if any(issubclass(w.category, PRVFallbackWarning) for w in caught):

@@ -27,10 +27,11 @@ A ``UserWarning`` that the result is an approximation is issued once per process
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from scipy import optimize, special
 
@@ -56,6 +57,21 @@ def _warn_once() -> None:
     if not _warned:
         _warned = True
         warnings.warn(GDP_WARNING, UserWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def warning_labelled_elsewhere() -> Iterator[None]:
+    """Within the context the approximation warning is not shown, and not counted as shown either: for callers that
+    label GDP's value themselves (:func:`fastdp.report.privacy_report`), so that a GDP engine built later in the
+    process still warns."""
+    global _warned
+    warned = _warned
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=GDP_WARNING.split(" (")[0])
+            yield
+    finally:
+        _warned = warned
 
 
 def _reset_warning() -> None:

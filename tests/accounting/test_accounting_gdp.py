@@ -122,3 +122,32 @@ def test_calibration_closed_form():
 def test_extreme_values():
     assert get_epsilon(0.01, 0.5, 10, 1e-5, accountant="gdp") == math.inf
     assert get_epsilon(1e4, 0.001, 10, 0.5, accountant="gdp") == 0.0
+
+
+def test_a_privacy_report_does_not_use_up_the_warning_of_a_later_gdp_engine():
+    """The report computes GDP for every engine and labels it an approximation itself; silencing the warning there
+    must not count it as shown, or a GDP engine built later in the process would never warn."""
+    import torch
+    from torch import nn
+
+    from fastdp import PrivacyEngine
+
+    gdp_mod._reset_warning()
+
+    def engine(accountant):
+        model = nn.Linear(3, 2)
+        eng = PrivacyEngine(model, batch_size=10, sample_size=1000, noise_multiplier=1.0, max_grad_norm=1.0,
+                            accountant=accountant)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        eng.attach(opt)
+        model(torch.randn(10, 3)).sum().backward()
+        opt.step()
+        return eng
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert "APPROXIMATION" in str(engine("prv").privacy_report())
+        assert not [w for w in record if "GDP accountant" in str(w.message)]
+        spent = engine("gdp").get_privacy_spent()
+    assert [w for w in record if "GDP accountant" in str(w.message)]
+    assert spent["accountant"] == "gdp" and spent["upper_bound"] is False
