@@ -18,8 +18,13 @@ from fastdp.sampling_check import SampleRateMonitor
 
 #: checkpoint format: 2 adds the sample-rate monitor, the noiseless step count and the current noise multiplier;
 #: 3 records sigma = 0 steps (and other releases) in the accountant's ledger; 4 adds the world size and rank of a
-#: distributed run (absent before: one process)
-STATE_VERSION = 4
+#: distributed run (absent before: one process); 5 adds the trainable parameters' names and shapes
+STATE_VERSION = 5
+
+
+def trainable_shapes(engine: Any) -> dict[str, list[int]]:
+    """The engine's trainable parameters: path -> shape (of the whole parameter, also when it is sharded)."""
+    return {name: list(p.shape) for name, p in sorted(engine.plan.trainable.items())}
 
 
 def privacy_config(engine: Any) -> dict[str, Any]:
@@ -45,7 +50,7 @@ def state_dict(engine: Any) -> dict[str, Any]:
             "noise_generator": None if gen is None else gen.get_state(),
             "config": privacy_config(engine), "sampling": rel.sampling.state_dict(),
             "nonfinite_samples": rel.nonfinite_samples, "world_size": engine.world_size, "rank": engine.rank,
-            "sharded_noise": shard_noise.checkpoint_state(engine),
+            "sharded_noise": shard_noise.checkpoint_state(engine), "trainable": trainable_shapes(engine),
             "adaptive_clipping": None if engine._adaptive is None else engine._adaptive.state_dict()}
 
 
@@ -65,7 +70,7 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
             "gradients for the next one): the checkpoint would replace their accounting. Load checkpoints into "
             "a freshly built engine, before any backward pass.")
     version = state.get("version") if isinstance(state, dict) else None
-    if version not in (1, 2, 3, STATE_VERSION):
+    if version not in (1, 2, 3, 4, STATE_VERSION):
         raise ValueError(f"not a fastdp PrivacyEngine state (version {version!r}, expected 1 to "
                          f"{STATE_VERSION})")
     theirs = state.get("config")
@@ -77,6 +82,14 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
         detail = ", ".join(f"{k}: saved {a!r}, this engine {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"the saved engine state has a different privacy configuration ({detail}); build the "
                          "engine with the saved configuration to resume")
+    saved = state.get("trainable")  # absent before version 5
+    if saved is not None and saved != trainable_shapes(engine):
+        now = trainable_shapes(engine)
+        diff = sorted(set(saved) ^ set(now)) + sorted(n for n in set(saved) & set(now) if saved[n] != now[n])
+        detail = ", ".join(f"{n}: saved {saved.get(n)}, this engine {now.get(n)}" for n in diff[:5])
+        raise ValueError(f"the checkpoint was saved by an engine with other trainable parameters ({detail}"
+                         f"{', ...' if len(diff) > 5 else ''}): resume with the same model and the same parameters "
+                         "frozen")
     world, rank = state.get("world_size", 1), state.get("rank", 0)
     if (world, rank) != (engine.world_size, engine.rank):
         raise ValueError(
@@ -137,4 +150,4 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
     rel.budget_verified = rel.planned_steps if homogeneous else 0
 
 
-__all__ = ["STATE_VERSION", "load_state_dict", "privacy_config", "state_dict"]
+__all__ = ["STATE_VERSION", "load_state_dict", "privacy_config", "state_dict", "trainable_shapes"]

@@ -59,10 +59,10 @@ def test_sigma_zero_steps_are_in_the_ledger():
         engine.noiseless_steps = 0  # type: ignore[misc]
 
 
-def test_version_4_checkpoint_round_trip_keeps_the_order():
+def test_checkpoint_round_trip_keeps_the_order():
     _, engine, _ = _phased_engine()
     state = engine.state_dict()
-    assert state["version"] == 4 and state["noiseless_steps"] == 1
+    assert state["version"] == 5 and state["noiseless_steps"] == 1
     assert [e[0] for e in state["accountant"]["history"]] == [1.0, 0.0, 1.0]
     fresh, _ = _engine(_model())
     fresh.load_state_dict(copy.deepcopy(state))
@@ -196,3 +196,28 @@ def test_budget_look_ahead_does_not_rebuild_an_accountant(monkeypatch):
                                                engine.target_delta)
     _step(model, opt)
     assert engine.get_privacy_spent()["epsilon"] == expected
+
+
+def test_a_checkpoint_of_other_trainable_parameters_is_refused():
+    """A checkpoint carries the trainable parameters' names and shapes (version 5): loading it into an engine of
+    another model (another output size) or with another parameter frozen is refused, naming them; a version 4
+    checkpoint, without them, still loads."""
+    _, engine, _ = _phased_engine()
+    state = engine.state_dict()
+    assert state["trainable"] == {"bias": [1], "weight": [1, D]}
+
+    def fresh(model: nn.Module) -> PrivacyEngine:
+        return PrivacyEngine(model, batch_size=16, sample_size=64, noise_multiplier=1.0, accountant="rdp")
+
+    with pytest.raises(ValueError, match=r"other trainable parameters \(bias: saved \[1\], this engine \[3\]"):
+        fresh(nn.Linear(D, 3).double()).load_state_dict(copy.deepcopy(state))
+    frozen = _model()
+    frozen.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"other trainable parameters \(bias: saved \[1\], this engine None"):
+        fresh(frozen).load_state_dict(copy.deepcopy(state))
+    v4 = copy.deepcopy(state)
+    v4["version"] = 4
+    del v4["trainable"]
+    resumed = fresh(_model())
+    resumed.load_state_dict(v4)
+    assert resumed.steps == engine.steps == 3
