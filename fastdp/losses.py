@@ -18,11 +18,14 @@ float64 keep their dtype. An empty batch (``B = 0``) gives a tensor of shape ``(
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 __all__ = ["per_sample_mean", "causal_lm_loss", "seq2seq_loss", "token_classification_loss",
-           "sequence_classification_loss"]
+           "sequence_classification_loss", "check_per_sample_loss"]
 
 
 def per_sample_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -191,3 +194,66 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, ign
     if problem_type == "regression":
         return (lg - y).pow(2).mean(1)
     return F.binary_cross_entropy_with_logits(lg, y, reduction="none").mean(1)
+
+
+def check_per_sample_loss(loss_fn: Callable[..., torch.Tensor], outputs: torch.Tensor, *targets: Any,
+                          reduction: str = "mean", rtol: float = 1e-6) -> None:
+    """Check once that a loss you wrote is what the engine assumes: the mean (``reduction="mean"``, the engine's
+    ``loss_reduction``) or sum over samples of a loss of each sample alone. The engine cannot see inside your loss;
+    this can.
+
+    ``loss_fn(outputs, *targets)`` must return a scalar. In float64 (floating ``outputs`` cast up, ``targets`` as
+    given), for every sample ``i`` the gradient of the batch loss with respect to row ``i`` of ``outputs`` must equal
+    ``w`` times the gradient of ``loss_fn(outputs[i:i+1], *targets[i:i+1])`` (``w = 1/B`` for ``"mean"``, 1 for
+    ``"sum"``), to ``rtol`` relative to the largest row. Targets whose leading size is ``B`` are sliced per sample,
+    others passed whole. Use a batch like a real one (samples with different numbers of label tokens: a token mean
+    over the batch is exact when every sample has the same count).
+
+    Raises:
+        ValueError: the loss mixes samples (a token mean over the whole batch, in-batch negatives, a loss normalised
+            by a batch statistic), naming the samples and the factor found, or does not return a scalar.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: choose 'mean' or 'sum' (the engine's loss_reduction)")
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() == 0 or not outputs.is_floating_point():
+        raise ValueError("outputs must be a floating tensor with the batch first, got "
+                         f"{getattr(outputs, 'dtype', type(outputs).__name__)} {getattr(outputs, 'shape', '')}")
+    B = outputs.shape[0]
+    out = outputs.detach().to(torch.float64).requires_grad_(True)
+
+    def per_sample(t: Any, i: int) -> Any:
+        return t[i:i + 1] if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == B else t
+
+    def grad_of(o: torch.Tensor, tg: tuple[Any, ...]) -> torch.Tensor:
+        loss = loss_fn(o, *tg)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn returned {getattr(loss, 'shape', loss)!r}; it must return a scalar (the "
+                             f"batch's {reduction} of the per-sample losses, as backpropagated)")
+        return torch.autograd.grad(loss.reshape(()), o, allow_unused=True)[0]
+
+    batch = grad_of(out, targets)
+    batch = torch.zeros_like(out) if batch is None else batch
+    w = 1.0 / B if reduction == "mean" else 1.0
+    alone = []
+    for i in range(B):
+        o = out[i:i + 1].detach().requires_grad_(True)
+        g = grad_of(o, tuple(per_sample(t, i) for t in targets))
+        alone.append(torch.zeros_like(o) if g is None else w * g)
+    if not alone:
+        return
+    want = torch.cat(alone)
+    scale = max(float(want.abs().max()), float(batch.abs().max()), 1e-300)
+    bad = [i for i in range(B) if float((batch[i] - want[i]).abs().max()) > rtol * scale]
+    if bad:
+        factors = []
+        for i in bad[:5]:
+            d = float(want[i].norm())
+            factors.append(f"sample {i}: x{float(batch[i].norm()) / d:.4g}" if d > 0 else f"sample {i}: nonzero")
+        raise ValueError(
+            f"the loss is not the {reduction} over samples of per-sample losses: the batch loss's gradient at "
+            f"sample rows {bad[:10]}{'...' if len(bad) > 10 else ''} differs from {'1/B times ' if w != 1 else ''}"
+            f"that of the sample alone ({', '.join(factors)}). A token mean over the whole batch "
+            "(F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=...) with padding) or a loss "
+            "normalised by a batch statistic mixes samples: average within each sample and then over the batch "
+            "(fastdp.losses.causal_lm_loss(logits, labels).mean(), fastdp.losses.per_sample_mean), or check the "
+            "engine's loss_reduction.")

@@ -543,3 +543,62 @@ def test_cls_helper_is_the_oracle_loss():
     lg = torch.randn(4, 5, generator=g, dtype=D)
     y = torch.randint(0, 5, (4,), generator=g)
     torch.testing.assert_close(cls_loss(lg, y), sequence_classification_loss(lg, y), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------- check_per_sample_loss
+def _padded_lm_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 11, generator=g)
+    labels = torch.randint(0, 11, (4, 6), generator=g)
+    labels[0, 3:] = -100  # samples with different numbers of label tokens
+    labels[2, 1:] = -100
+    return logits, labels
+
+
+def test_check_per_sample_loss_accepts_per_sample_means():
+    from fastdp.losses import causal_lm_loss, check_per_sample_loss
+
+    logits, labels = _padded_lm_batch()
+    check_per_sample_loss(lambda o, y: causal_lm_loss(o, y).mean(), logits, labels)
+    check_per_sample_loss(lambda o, y: causal_lm_loss(o, y).sum(), logits, labels, reduction="sum")
+    x, y = torch.randn(5, 3), torch.randint(0, 3, (5,))
+    check_per_sample_loss(torch.nn.functional.cross_entropy, x, y)  # a classifier's batch mean
+    check_per_sample_loss(torch.nn.functional.cross_entropy, x[:1], y[:1])  # a batch of one
+
+
+def test_check_per_sample_loss_refuses_a_token_mean_over_the_batch():
+    """The hand-written token mean over the whole batch: each sample's gradient is scaled by ``B n_i / N``; with
+    padding the check names the samples and the factors. Without padding the same loss is exact (and accepted)."""
+    from fastdp.losses import check_per_sample_loss
+
+    logits, labels = _padded_lm_batch()
+
+    def token_mean(o, y):
+        return torch.nn.functional.cross_entropy(o[:, :-1].reshape(-1, o.shape[-1]), y[:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+
+    with pytest.raises(ValueError, match=r"not the mean over samples.*sample 0: x.*causal_lm_loss"):
+        check_per_sample_loss(token_mean, logits, labels)
+    full = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(1))
+    check_per_sample_loss(token_mean, logits, full)  # equal counts: B n_i / N = 1
+    with pytest.raises(ValueError, match="not the sum over samples"):
+        check_per_sample_loss(lambda o, y: token_mean(o, y), logits, full, reduction="sum")  # mean, not sum
+
+
+def test_check_per_sample_loss_refuses_in_batch_coupling_and_bad_arguments():
+    from fastdp.losses import check_per_sample_loss
+
+    emb = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+
+    def contrastive(o):  # in-batch negatives
+        sim = o @ o.t()
+        return torch.nn.functional.cross_entropy(sim, torch.arange(o.shape[0]))
+
+    with pytest.raises(ValueError, match="not the mean over samples"):
+        check_per_sample_loss(contrastive, emb)
+    with pytest.raises(ValueError, match="must return a scalar"):
+        check_per_sample_loss(lambda o: o.sum(1), emb)
+    with pytest.raises(ValueError, match="reduction='max'"):
+        check_per_sample_loss(lambda o: o.sum(), emb, reduction="max")
+    with pytest.raises(ValueError, match="floating tensor"):
+        check_per_sample_loss(lambda o: o.sum(), torch.arange(4))
