@@ -97,7 +97,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
-from fastdp.layers import generic, layout
+from fastdp.layers import checkpointing, generic, layout
 from fastdp.layers.base import autocast_state, clipping_precision
 from fastdp.layers.generic import GENERIC
 from fastdp.plan import trainable_change
@@ -127,6 +127,10 @@ class StructureError(RuntimeError):
 _DROPOUTS = {F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d,
              torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
 _SDPA = F.scaled_dot_product_attention
+#: nn.MultiheadAttention's functional form: it calls dropout inside, where the mode does not reach (a mode is off
+#: while its own handler runs a function), so its ``dropout_p`` (argument 10) is set to 0 instead
+_MHA = F.multi_head_attention_forward
+_MHA_DROPOUT = 10
 _RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.normal, torch.multinomial,
            torch.rand_like, torch.randn_like, torch.randint_like, torch.poisson,
            torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
@@ -135,20 +139,31 @@ _RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoul
 
 
 class DeterministicDropout(TorchFunctionMode):
-    """Dropout (``F.dropout*``, alpha dropout, ``scaled_dot_product_attention``'s ``dropout_p``) becomes the
-    identity, so the batched and the batch-of-one passes compute the same function; other random operations run
-    as usual and are recorded in ``random_ops``."""
+    """Dropout (``F.dropout*``, alpha dropout, ``scaled_dot_product_attention``'s and
+    ``multi_head_attention_forward``'s ``dropout_p``) becomes the identity, so the batched and the batch-of-one
+    passes compute the same function; other random operations run as usual and are recorded in ``random_ops``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.random_ops: set[str] = set()
+        #: a dropout ran (and was made the identity): torch function modes do not reach the backward pass, so
+        #: where non-reentrant checkpointing recomputes a block there, its dropout is a real one again
+        self.dropout = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _DROPOUTS:
+            self.dropout = True
             x = args[0] if args else kwargs["input"]
             return x
+        if func is _MHA:
+            self.dropout = True
+            if len(args) > _MHA_DROPOUT:
+                args = (*args[:_MHA_DROPOUT], 0.0, *args[_MHA_DROPOUT + 1:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
         if func is _SDPA:
+            self.dropout = True
             if len(args) > 4:
                 args = (*args[:4], 0.0, *args[5:])
             kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs or len(args) <= 4 else kwargs
@@ -296,7 +311,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
         # every pass of the probe at full float32 precision (a user's TF32 / bf16 setting would put rounding noise of
         # about 1e-2 between the engine's and the reference's per-sample gradients; autocast still applies)
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.enable_grad(), ieee_float32():
-            with DeterministicDropout() as det:
+            with DeterministicDropout() as det, checkpointing.counted_checkpoints() as checkpoints:
                 findings = _run(engine, model, args, kwargs, B)
                 for k in range(1, B - 1, 2):  # rounding noise only: the other samples, two at a time
                     if findings or not engine._capture.probe.inconclusive:
@@ -304,6 +319,13 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                     engine._capture.probe.inconclusive = False
                     findings = _run(engine, model, args, kwargs, B, sorted({k, min(k + 1, B - 2)}))
             random_ops = set(det.random_ops)
+            if findings and det.dropout and checkpoints.used:
+                # non-reentrant checkpointing recomputed blocks in the backward passes, where this mode does not
+                # reach: their dropout was a real one there. Again with the blocks' activations kept (no recompute)
+                logger.info("structure probe: dropout inside checkpointed blocks; probing again without recomputation")
+                engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
+                with DeterministicDropout(), checkpointing.plain_checkpoints():
+                    findings = _run(engine, model, args, kwargs, B)
             if findings and random_ops and model.training:
                 logger.warning("structure probe: the passes disagree and random operations ran (%s); retrying the "
                                "probe in eval mode", sorted(random_ops))

@@ -52,7 +52,7 @@ class _NoHook:
         return None
 
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entered: a replay (plain_checkpoints) inside counted_checkpoints
 
 
 @contextlib.contextmanager
@@ -71,6 +71,36 @@ def plain_checkpoints() -> Iterator[None]:
             _checkpoint._checkpoint_hook = original
 
 
+class CheckpointCount:
+    """Whether non-reentrant ``torch.utils.checkpoint`` ran within :func:`counted_checkpoints`."""
+
+    used = False
+
+
+@contextlib.contextmanager
+def counted_checkpoints() -> Iterator[CheckpointCount]:
+    """Within this context, each non-reentrant ``torch.utils.checkpoint`` region sets ``used`` on the yielded
+    :class:`CheckpointCount` (its saved-tensor hooks are wrapped, otherwise unchanged). A no-op on a torch without
+    that internal."""
+    count = CheckpointCount()
+    original = getattr(_checkpoint, "_checkpoint_hook", None)
+    if original is None:  # pragma: no cover
+        yield count
+        return
+
+    class _Counted(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            count.used = True
+            super().__init__(*args, **kwargs)
+
+    with _LOCK:
+        _checkpoint._checkpoint_hook = _Counted
+        try:
+            yield count
+        finally:
+            _checkpoint._checkpoint_hook = original
+
+
 def reentrant_message(label: str, type_name: str, names: list[str]) -> str:
     return (f"module {label!r} ({type_name}) with trainable parameters {names} runs inside "
             "torch.utils.checkpoint.checkpoint(..., use_reentrant=True). Reentrant checkpointing runs the forward "
@@ -80,4 +110,4 @@ def reentrant_message(label: str, type_name: str, names: list[str]) -> str:
             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})).")
 
 
-__all__ = ["in_reentrant_checkpoint", "plain_checkpoints", "reentrant_message"]
+__all__ = ["counted_checkpoints", "in_reentrant_checkpoint", "plain_checkpoints", "reentrant_message"]

@@ -549,6 +549,63 @@ def test_torch_checkpoint_non_reentrant(b, mode):
     check_engine(model, _ce, data, mode=mode, fn=fn, style=style, reduction=reduction)
 
 
+class DropoutCheckpointed(CheckpointedEncoder):
+    """:class:`CheckpointedEncoder` with dropout 0.1 inside the (checkpointed, unless ``checkpointed=False``)
+    layers: ``nn.TransformerEncoderLayer``'s default."""
+
+    def __init__(self, d=8, T=5, checkpointed=True):
+        super().__init__(d, T)
+        self.checkpointed = checkpointed
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, 2, 12, dropout=0.1, batch_first=True)
+                                    for _ in range(2))
+
+    def forward(self, x):
+        if self.checkpointed:
+            return super().forward(x)
+        h = self.stem(x).transpose(1, 2) + self.pos
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("family", ["torch", "torch-no-checkpoint", "gpt2"])
+def test_dropout_inside_non_reentrant_checkpoints_passes_the_probe(family):
+    """The probe makes dropout the identity with a torch-function mode, which does not reach the backward pass,
+    where non-reentrant checkpointing recomputes the block with a real dropout: the first passes disagree (for GPT-2
+    the recomputation even saves other tensors). The probe then runs again with the blocks' activations kept, and
+    passes; training proceeds in train mode (dropout on). Before, a StructureError named the position embedding.
+    Without checkpoints, ``nn.TransformerEncoderLayer``'s default dropout 0.1 was refused too: the attention's
+    dropout runs inside ``F.multi_head_attention_forward``, where the mode did not reach."""
+    torch.manual_seed(2)
+    if family.startswith("torch"):
+        model = DropoutCheckpointed(checkpointed=family == "torch").to(D).train()
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(4, 2, 5, generator=g, dtype=D)
+
+        def step():
+            return _ce(model(x), torch.randint(0, LABELS, (4,), generator=g)).mean()
+    else:
+        import transformers
+
+        cfg = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                      attn_implementation="eager")  # dropout 0.1 (the default)
+        model = transformers.GPT2LMHeadModel(cfg).to(D).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, 40, (8, 6), generator=torch.Generator().manual_seed(3))
+
+        def step():
+            return losses.causal_lm_loss(model(input_ids=ids, use_cache=False).logits, ids).mean()
+    engine = make_engine(model, batch_size=4 if family.startswith("torch") else 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step().backward()
+    opt.step()
+    assert engine.probe_stats["signatures"] == 1 and engine.steps == 1
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
+
+
 # --------------------------------------------------------------------------- a block reused at several lengths
 
 
