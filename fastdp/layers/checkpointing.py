@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils import checkpoint as _checkpoint
@@ -56,19 +56,28 @@ _LOCK = threading.RLock()  # re-entered: a replay (plain_checkpoints) inside cou
 
 
 @contextlib.contextmanager
-def plain_checkpoints() -> Iterator[None]:
-    """Within this context, non-reentrant ``torch.utils.checkpoint`` saves activations as usual instead of installing
-    its saved-tensor hooks (which ``torch.func`` transforms refuse). A no-op on a torch without that internal."""
-    original = getattr(_checkpoint, "_checkpoint_hook", None)
-    if original is None:  # pragma: no cover - a torch without the internal: the replay then fails loudly
-        yield
-        return
+def _hook_class(make: Callable[[type], type]) -> Iterator[bool]:
+    """Within this context, non-reentrant ``torch.utils.checkpoint`` uses ``make(original)`` as its saved-tensor hook
+    class (the one private torch name both contexts below replace). Yields whether that internal exists."""
     with _LOCK:
-        _checkpoint._checkpoint_hook = _NoHook
+        original = getattr(_checkpoint, "_checkpoint_hook", None)
+        if original is None:  # pragma: no cover - a torch without the internal
+            yield False
+            return
+        _checkpoint._checkpoint_hook = make(original)
         try:
-            yield
+            yield True
         finally:
             _checkpoint._checkpoint_hook = original
+
+
+@contextlib.contextmanager
+def plain_checkpoints() -> Iterator[None]:
+    """Within this context, non-reentrant ``torch.utils.checkpoint`` saves activations as usual instead of installing
+    its saved-tensor hooks (which ``torch.func`` transforms refuse). A no-op on a torch without that internal (a
+    replay then fails loudly)."""
+    with _hook_class(lambda original: _NoHook):
+        yield
 
 
 class CheckpointCount:
@@ -83,22 +92,16 @@ def counted_checkpoints() -> Iterator[CheckpointCount]:
     :class:`CheckpointCount` (its saved-tensor hooks are wrapped, otherwise unchanged). A no-op on a torch without
     that internal."""
     count = CheckpointCount()
-    original = getattr(_checkpoint, "_checkpoint_hook", None)
-    if original is None:  # pragma: no cover
+
+    def counted(original: type) -> type:
+        class _Counted(original):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                count.used = True
+                super().__init__(*args, **kwargs)
+        return _Counted
+
+    with _hook_class(counted):
         yield count
-        return
-
-    class _Counted(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            count.used = True
-            super().__init__(*args, **kwargs)
-
-    with _LOCK:
-        _checkpoint._checkpoint_hook = _Counted
-        try:
-            yield count
-        finally:
-            _checkpoint._checkpoint_hook = original
 
 
 def reentrant_message(label: str, type_name: str, names: list[str]) -> str:
