@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import capture_generic, deferred, empty_batch, hf_guard, probe, session
+from fastdp import capture_generic, deferred, empty_batch, hf_guard, loss_check, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
 from fastdp.layers.base import LayerKind, clipping_precision
@@ -53,6 +53,7 @@ class RootFrame:
     handled: BaseException | None  # the exception being handled when the call started (to see whether it raised)
     grad_enabled: bool
     batch: int | None = None
+    loss_sig: Any = None  # the input signature, when the loss check (fastdp.loss_check) reads this call's outputs
 
 
 @dataclass
@@ -78,7 +79,8 @@ class ProbeState:
     broadcast: list[nn.Module] = field(default_factory=list)  # modules whose broadcast output the pass expanded
     outside: list[nn.Module] = field(default_factory=list)  # modules whose parameters were used outside them
     stats: dict[str, Any] = field(default_factory=lambda: {"probes": 0, "signatures": 0, "seconds": 0.0,
-                                                           "eval_retries": 0})
+                                                           "eval_retries": 0, "loss_checks": 0,
+                                                           "loss_verdicts": {}})
     #: the generic owners' layouts learned by the last probe run (fastdp.layers.layout), kept per signature
     learned: Any = None
     #: the engine pass's outputs (the probe's check that the batch dimension survived its expansions)
@@ -123,6 +125,7 @@ class Capture:
         self.generic_stats: dict[str, dict[str, int]] = {}
         self.on_arrival = True  # instantiation on arrival (fastdp.norms.instantiate_on_arrival); off: benchmarks
         self.probe = ProbeState()
+        self.loss = loss_check.LossCheck()  # the loss check's passes and verdicts per input signature
         #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
         self.owner_layouts = layout.OwnerLayouts()
         self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)
@@ -299,12 +302,19 @@ class Capture:
         if (self.engine.verify_structure and B is not None and B >= 1 and not self.probe.running
                 and not self.inert and torch.is_grad_enabled() and len(self.roots) == 1 and not self.paused):
             probe.maybe_probe(self.engine, module, args, kwargs, B)
+        if (self.engine.verify_loss and B is not None and B >= 2 and len(self.roots) == 1 and not self.inert
+                and torch.is_grad_enabled() and not self.paused):
+            sig = probe.signature(args, kwargs, B, module.training)
+            if self.loss.wanted(sig):
+                frame.loss_sig = sig
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""
         if not self.roots:
             return
         frame = self.roots.pop()
+        if sys.exc_info()[1] is frame.handled and frame.loss_sig is not None:
+            loss_check.arm(self.engine, self.loss, frame.loss_sig, output, frame.batch)
         if sys.exc_info()[1] is not frame.handled:  # called from Module.__call__'s `except`: the forward raised
             self.drop_forwards({frame.fid}, f"the model's forward call raised {type(sys.exc_info()[1]).__name__}")
             if not self.roots:

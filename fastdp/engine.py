@@ -123,6 +123,10 @@ class PrivacyEngine:
             check: a model whose batch axis is not first (per-position clipping), that mixes or reorders samples,
             or whose hooks rescale a layer's output then trains silently without the stated privacy guarantee.
             Its cost is in ``probe_stats``.
+        verify_loss: read, on the first backward passes of each input signature, the weight the loss gives each
+            label row of the model's logits (from their gradient, :mod:`fastdp.loss_check`), and refuse a token
+            mean over the whole batch (:class:`fastdp.probe.StructureError`). Only a softmax cross-entropy of a model
+            output is read; verdicts are counted in ``probe_stats["loss_verdicts"]``.
         distributed: ``None`` (default): data-parallel over ``torch.distributed``'s default group when it is
             initialised (every rank builds the engine with the same arguments; ``batch_size`` and ``sample_size``
             are global; each rank runs forward and backward on its part of the batch; the clipped sums are
@@ -154,6 +158,7 @@ class PrivacyEngine:
         enforce_budget: bool = False,
         on_nonfinite: str = "raise",
         verify_structure: bool = True,
+        verify_loss: bool = True,
         distributed: bool | None = None,
         process_group: Any = None,
         adaptive_clipping: adaptive.AdaptiveClipping | None = None,
@@ -178,6 +183,7 @@ class PrivacyEngine:
         self._initial_sigma = s.noise_multiplier  # the constructed value (checked against checkpoints)
         self.model = model
         self.verify_structure = bool(verify_structure)
+        self.verify_loss = bool(verify_loss)
         #: module name -> parameter paths it owns on the generic path (the probe's fallback for broadcast outputs)
         self._extra_owned: dict[str, tuple[str, ...]] = {}
         self.plan: Plan = build_plan(model, self._extra_owned)
@@ -199,6 +205,7 @@ class PrivacyEngine:
                 self._trainable.values(), {id(p): n for n, p in self._trainable.items()}, others))
         if self._group is not None:
             self._group.agree({**checkpoint.privacy_config(self), "verify_structure": self.verify_structure,
+                               "verify_loss": self.verify_loss,
                                "on_nonfinite": self.on_nonfinite, "enforce_budget": self.enforce_budget,
                                "target_epsilon": self.target_epsilon,
                                "trainable": sorted((n, tuple(p.shape), str(p.dtype))
@@ -283,7 +290,8 @@ class PrivacyEngine:
 
     @property
     def probe_stats(self) -> dict[str, Any]:
-        """Structure probe cost: ``{"probes": runs, "signatures": verified, "seconds": time, "eval_retries"}``."""
+        """Structure probe cost: ``{"probes": runs, "signatures": verified, "seconds": time, "eval_retries"}``, and
+        the loss check's ``"loss_checks"`` (outputs checked) and ``"loss_verdicts"`` (verdict -> count)."""
         return self._capture.probe.stats
 
     @property

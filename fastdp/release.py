@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fastdp import accounting, adaptive, deferred, distributed
+from fastdp import accounting, adaptive, deferred, distributed, loss_check
 from fastdp.clip_stats import ClipCounter
 from fastdp.clipped_sums import BackwardResult, nonfinite_step_error
 from fastdp.deferred import DeferredCheck
@@ -265,6 +265,10 @@ class Release:
     def _local_checks(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """This process's checks of the step (raise before anything is released)."""
         eng = self.engine
+        loss_error = loss_check.settle(eng, eng._capture.loss)  # the loss check's verdicts on this step's passes
+        if loss_error is not None:
+            self.discard()
+            raise loss_error
         if self.refusal is not None:
             self.discard()
             raise RuntimeError(self.refusal)

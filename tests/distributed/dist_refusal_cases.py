@@ -9,9 +9,10 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from dist_cases import engine_and_opt, grads_or_none, outcome, params_of, run_shard, take_step
 from dist_specs import Spec, build, shard_batches
-from oracle import make_engine, released_grads
+from oracle import call_model, make_engine, released_grads
 
 import fastdp.deferred as deferred
 
@@ -24,7 +25,9 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
     its backward pass it freezes ``fc.weight`` without telling the engine), ``"update_trainable"`` (it freezes
     ``fc.weight`` and calls engine.update_trainable(), the others do not), ``"sigma"`` (it calls
     engine.set_noise_multiplier(0.5) alone), ``"nonfinite_deferred"`` (a NaN in its first sample, with the
-    accelerator's deferred non-finite check switched on everywhere: the culprit raises only at the step). The
+    accelerator's deferred non-finite check switched on everywhere: the culprit raises only at the step),
+    ``"token_mean"`` (its loss is the cross-entropy averaged over its labelled samples, one label ignored: the loss
+    check refuses it, and on several ranks through the step's agreement). The
     first step's data come from another seed, so a leak of its sums into the second step shows against the oracle
     of ``spec``. Returns the outcome of the first step on this
     rank, the gradients and steps right after it, and the second step's released gradients (or its outcome)."""
@@ -55,7 +58,13 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
     if scenario == "nonfinite_deferred":  # the accelerator behaviour on every rank: the check waits for the step
         deferred.DEFER_ON = {"cpu": True, "default": True}
     try:
-        if not (culprit_here and scenario == "skip_backward"):
+        if culprit_here and scenario == "token_mean":
+            # the labelled-sample mean of a classifier (its first label ignored): a divisor set by the batch
+            for x, y in mine:
+                y = y.clone()
+                y[0] = -100
+                F.cross_entropy(call_model(model, x), y, ignore_index=-100).backward()
+        elif not (culprit_here and scenario == "skip_backward"):
             run_shard(model, bad, mine)
         if culprit_here and scenario == "frozen":  # after its backward pass, before the step
             model.fc.weight.requires_grad_(False)

@@ -7,6 +7,8 @@ short timeout, never a silent wrong release.
   0) on any rank, and the next valid step releases exactly the oracle of ITS batch (the refused step's sums were
   discarded everywhere, not folded in).
 * A rank that calls set_noise_multiplier() alone: refused on every rank, naming the noise multiplier.
+* A rank whose loss averages over its labelled samples only (fastdp.loss_check): refused on every rank at the step,
+  not by that rank's backward pass alone (which would leave the others waiting in the all-reduce).
 * Ranks that disagree at construction: a frozen parameter on one rank (the error names it, and not the parameters
   the ranks agree on), a different max_grad_norm; a model wrapped
   in DistributedDataParallel (refused, naming the supported pattern); ``distributed=True`` with no process group.
@@ -50,7 +52,8 @@ SCENARIOS = {"skip_backward": ("skip_backward", 1, ("backward",)),
              "frozen": ("frozen", 1, ("fc.weight",)),
              "update_trainable": ("update_trainable", 1, ("trainable", "fc.weight")),
              "sigma": ("sigma", 1, ("noise multiplier",)),
-             "nonfinite_deferred": ("nonfinite_deferred", 1, ("NaN", "backward pass 1"))}
+             "nonfinite_deferred": ("nonfinite_deferred", 1, ("NaN", "backward pass 1")),
+             "token_mean": ("token_mean", 1, ("token mean over the whole batch", "verify_loss"))}
 FLAGS = Spec("mixed", ((3,), (2,)), seed=81)
 ZERO = Spec("mixed", ((3,), (2,)), seed=84)
 FLAGS_R = 0.05

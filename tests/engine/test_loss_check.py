@@ -1,0 +1,266 @@
+"""The loss check (fastdp.loss_check): the weight a softmax cross-entropy gives each label row, read from the
+gradient at the model's logits, and the refusal of a token mean over the whole batch.
+
+* The weights it reads are the weights of the loss: an autograd oracle ``L = Σ_r w_r CE(Y_r, y_r)`` with random
+  ``w_r`` (zeros included), float64 and float32; rows that are no plain cross-entropy's (label smoothing, MSE,
+  a temperature) do not fit.
+* Verdicts against what the loss is, over random padded batches (Hypothesis), cross-checked with
+  ``fastdp.losses.check_per_sample_loss``: a token mean over the batch is refused exactly when the samples' counts
+  make it differ from every per-sample form; per-sample means and sums are never refused.
+* Through the engine: read in the first backward pass, refused at its step, before anything is released (no
+  ``.grad``, no step, no ledger entry), under ``"mean"`` and ``"sum"``, again after a caught refusal, not with
+  ``verify_loss=False``; a token mean divided by a constant is refused at the second batch with another label count,
+  a per-sample sum divided by one is not; equal counts say nothing and are checked again; Hugging Face GPT-2's
+  ``ModelOutput`` under bf16/fp16 autocast with a ``GradScaler``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fastdp
+from fastdp import loss_check
+from fastdp.losses import causal_lm_loss, check_per_sample_loss
+
+V, T, IGN = 11, 6, -100
+
+
+class TinyLM(nn.Module):
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(V, 8)
+        self.head = nn.Linear(8, V)
+        self.to(dtype)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def batch(counts, seed=0):
+    """ids (B, T) and labels whose sample i has ``counts[i]`` label tokens after the shift (the rest ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (len(counts), T), generator=g)
+    labels = ids.clone()
+    for i, n in enumerate(counts):
+        labels[i, 1 + n:] = IGN
+    return ids, labels
+
+
+def token_mean(o, y):
+    return F.cross_entropy(o[:, :-1].reshape(-1, o.shape[-1]), y[:, 1:].reshape(-1), ignore_index=IGN)
+
+
+def token_sums(o, y):
+    per = F.cross_entropy(o[:, :-1].reshape(-1, o.shape[-1]), y[:, 1:].reshape(-1), ignore_index=IGN,
+                          reduction="none")
+    return per.view(o.shape[0], -1).sum(1)
+
+
+LOSSES = {"token mean": token_mean,
+          "per-sample mean": lambda o, y: causal_lm_loss(o, y).mean(),
+          "per-sample sum": lambda o, y: token_sums(o, y).mean()}
+
+
+def engine_for(model, reduction="mean", **kw):
+    eng = fastdp.PrivacyEngine(model, batch_size=4, sample_size=100, steps=10, noise_multiplier=1.0,
+                               loss_reduction=reduction, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng.attach(opt)
+    return eng, opt
+
+
+# ------------------------------------------------------------------------------------ the weights read
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
+def test_row_weights_are_the_losss_weights(dtype, tol):
+    g = torch.Generator().manual_seed(1)
+    Y = (3 * torch.randn(5, 4, V, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (5, 4), generator=g)
+    w = torch.rand(5, 4, generator=g, dtype=torch.float64) + 0.1
+    w[1] = 0  # a sample without label rows
+    w[3, 2:] = 0
+    loss = (w.to(dtype) * F.cross_entropy(Y.transpose(1, 2), y, reduction="none")).sum()
+    (G,) = torch.autograd.grad(loss, Y)
+    got, labelled, fits = loss_check.row_weights(G, loss_check.summarise("out", Y))
+    assert torch.equal(labelled, (w != 0).flatten())
+    assert bool(fits.all())
+    torch.testing.assert_close(got[labelled].double(), w.flatten()[labelled], rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("loss", ["label smoothing", "temperature", "mse"])
+def test_rows_of_other_losses_do_not_fit(loss):
+    g = torch.Generator().manual_seed(2)
+    Y = torch.randn(4, 3, V, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (4, 3), generator=g)
+    if loss == "label smoothing":
+        L = F.cross_entropy(Y.transpose(1, 2), y, label_smoothing=0.1)
+    elif loss == "temperature":
+        L = F.cross_entropy(Y.transpose(1, 2) / 2, y)
+    else:
+        L = F.mse_loss(Y, F.one_hot(y, V).double())
+    (G,) = torch.autograd.grad(L, Y)
+    _, labelled, fits = loss_check.row_weights(G, loss_check.summarise("out", Y))
+    assert bool(labelled.all()) and not bool(fits.any())
+
+
+# ------------------------------------------------------------------------------------ verdicts
+def verdict_of(loss, counts, reduction="mean", dtype=torch.float64, seed=0):
+    ids, labels = batch(counts, seed)
+    model = TinyLM(seed, dtype)
+    out = model(ids)
+    (G,) = torch.autograd.grad(LOSSES[loss](out, labels) * (len(counts) if reduction == "sum" and
+                                                            loss != "token mean" else 1), out)
+    w, lab, fits = loss_check.row_weights(G, loss_check.summarise("out", out))
+    return loss_check.verdict(w, lab, fits, len(counts), 1.0, reduction == "mean", loss_check._tol(G.dtype)), \
+        (model, ids, labels)
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, T - 1), min_size=2, max_size=6), loss=st.sampled_from(sorted(LOSSES)),
+       reduction=st.sampled_from(["mean", "sum"]), dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_verdicts_follow_the_loss(counts, loss, reduction, dtype):
+    v, (model, ids, labels) = verdict_of(loss, counts, reduction, dtype)
+    B, N = len(counts), sum(counts)
+    differ = len(set(counts)) > 1
+    s = B if reduction == "mean" else 1
+    labelled = [c for c in counts if c]
+    # the counts for which a token mean IS a per-sample sum (N == s) or mean (equal labelled counts, as many as s)
+    as_sum, as_mean = N == s, len(labelled) == s and len(set(labelled)) == 1
+    if loss == "token mean":
+        want = "batch token mean" if differ and not as_sum and not as_mean else "uninformative"
+        assert v.kind == want, (counts, reduction, v)
+        if v.kind == "batch token mean":  # the independent check (one backward per sample) agrees
+            with pytest.raises(ValueError, match="not the"):
+                check_per_sample_loss(token_mean, model(ids).double(), labels, reduction=reduction)
+    else:  # never refused; read as what it is unless the counts make a token mean read the same
+        same = as_sum if loss == "per-sample sum" else as_mean
+        want = {loss if differ and not same else "uninformative"}
+        if want == {loss} and max(counts) == 1:  # one label row per labelled sample: its mean is its sum
+            want = {"per-sample mean", "per-sample sum"}
+        assert v.kind in want, (counts, loss, reduction, v)
+
+
+def test_equal_counts_say_nothing():
+    for loss in LOSSES:
+        assert verdict_of(loss, [3, 3, 3])[0].kind == "uninformative"
+    assert verdict_of("token mean", [0, 0])[0].kind == "uninformative"
+
+
+# ------------------------------------------------------------------------------------ through the engine
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_token_mean_refused_before_anything_is_released(reduction, dtype):
+    model = TinyLM(0, dtype)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eng, opt = engine_for(model, reduction)
+    ids, labels = batch([5, 0, 2, 3])
+    token_mean(model(ids), labels).backward()  # read in the backward pass, judged at the step
+    with pytest.raises(fastdp.StructureError,
+                       match=r"token mean over the whole batch.*1/10.*0 to 5.*Nothing was released.*causal_lm_loss"):
+        opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert eng.steps == 0 and eng.accountant.ledger.steps == 0
+    token_mean(model(ids), labels).backward()
+    with pytest.raises(fastdp.StructureError):  # a caught refusal does not end the check
+        opt.step()
+    # the same batch with the per-sample mean trains, on the same engine; the refused sums were discarded
+    loss = causal_lm_loss(model(ids), labels)
+    (loss.mean() if reduction == "mean" else loss.sum()).backward()
+    opt.step()
+    assert eng.steps == 1
+    assert eng.probe_stats["loss_verdicts"] == {"batch token mean": 2, "per-sample mean": 1}
+
+
+def test_verify_loss_false_trains_the_token_mean_silently():
+    model = TinyLM()
+    eng, opt = engine_for(model, verify_loss=False)
+    ids, labels = batch([5, 0, 2, 3])
+    token_mean(model(ids), labels).backward()
+    opt.step()
+    assert eng.steps == 1 and eng.probe_stats["loss_checks"] == 0
+
+
+def test_a_batch_with_equal_counts_is_checked_again():
+    model = TinyLM()
+    eng, opt = engine_for(model)
+    for counts in ([5, 5, 5, 5], [5, 5, 5, 5]):
+        ids, labels = batch(counts)
+        token_mean(model(ids), labels).backward()  # exact here: B n_i / N = 1
+        opt.step()
+    ids, labels = batch([5, 1, 5, 5])
+    token_mean(model(ids), labels).backward()
+    with pytest.raises(fastdp.StructureError, match="token mean"):
+        opt.step()
+    assert eng.probe_stats["loss_verdicts"] == {"uninformative": 2, "batch token mean": 1}
+
+
+@pytest.mark.parametrize("loss,outcome", [("token mean", "refused"), ("per-sample sum", "per-sample sum (scaled)"),
+                                          ("per-sample mean", "per-sample mean (scaled)")])
+def test_a_loss_divided_by_a_constant(loss, outcome):
+    """Divided by 2 (accumulation steps): a token mean reads as a per-sample sum times a constant in one batch; the
+    second batch with another label count tells them apart (the token mean keeps ``c N``)."""
+    model = TinyLM()
+    eng, opt = engine_for(model)
+    seen = []
+    for counts in ([5, 1, 3, 2], [4, 0, 3, 2]):
+        ids, labels = batch(counts)
+        (LOSSES[loss](model(ids), labels) / 2).backward()
+        try:
+            opt.step()
+        except fastdp.StructureError as e:
+            seen.append(str(e))
+    verdicts = eng.probe_stats["loss_verdicts"]
+    if outcome == "refused":
+        assert len(seen) == 1 and "= 0.5/" in seen[0] and "times a constant" in seen[0]
+        assert verdicts == {"equal weights": 1, "batch token mean": 1} and eng.steps == 1
+    else:
+        assert not seen and outcome in verdicts
+
+
+def test_classifier_mean_over_labelled_samples_refused():
+    """A classifier's cross-entropy with an ignored label averages over the labelled samples only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    eng, opt = engine_for(model)
+    x, y = torch.randn(4, 5), torch.tensor([0, 2, IGN, 1])
+    F.cross_entropy(model(x), y, ignore_index=IGN).backward()
+    with pytest.raises(fastdp.StructureError, match="1/3"):
+        opt.step()
+    F.cross_entropy(model(x), y.clamp_min(0)).backward()  # every sample labelled: the batch mean, fine
+    opt.step()
+    assert eng.steps == 1
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_hf_gpt2_model_output_under_autocast_and_grad_scaler(amp):
+    pytest.importorskip("transformers")
+    from model_oracle import gpt2
+
+    def run(loss_fn):
+        torch.manual_seed(0)
+        model = gpt2().float().train()
+        eng = fastdp.PrivacyEngine(model, batch_size=4, sample_size=100, steps=5, noise_multiplier=1.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        eng.attach(opt, scaler=scaler)
+        ids = torch.randint(0, model.config.vocab_size, (4, 7))
+        mask = torch.ones(4, 7, dtype=torch.long)
+        mask[0, 4:] = 0
+        labels = ids.masked_fill(mask == 0, IGN)
+        labels[2, :5] = IGN
+        with torch.autocast("cpu", dtype=amp):
+            loss = loss_fn(model(input_ids=ids, attention_mask=mask).logits, labels)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return eng
+
+    with pytest.raises(fastdp.StructureError, match=r"output\['logits'\].*1/17"):
+        run(lambda o, y: token_mean(o.float(), y))
+    assert run(lambda o, y: causal_lm_loss(o, y).mean()).probe_stats["loss_verdicts"] == {"per-sample mean": 1}
