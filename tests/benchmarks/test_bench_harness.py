@@ -542,3 +542,14 @@ def test_norm_ops_ab_times_both_forms_and_restores_the_threshold(capsys, tmp_pat
     assert [r["shape"] for r in rows] == ["B 2, C 32, 4x4", "B 3, C 64, 1x1"]
     assert all(r["recompute x_hat"] > 0 and r["folded"] > 0 for r in rows)
     assert groupnorm.FOLDED_MIN_POSITIONS == before
+
+
+def test_loss_check_cost_runs_and_the_check_reads_the_loss(capsys, tmp_path):
+    """``benchmarks/loss_check_cost.py``: the check it times recognises the per-sample mean it is given (no timing
+    is asserted)."""
+    import loss_check_cost
+
+    loss_check_cost.main(["--shapes", "3,8,13", "--reps", "1", "--json", str(tmp_path / "c.json")])
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["verdict"] for r in rows] == ["per-sample mean"] and rows[0]["check_ms"] > 0
+    assert "| 3 x 8 | 13 |" in capsys.readouterr().out
