@@ -125,8 +125,9 @@ class PrivacyEngine:
             Its cost is in ``probe_stats``.
         verify_loss: read, on the first backward passes of each input signature, the weight the loss gives each
             label row of the model's logits (from their gradient, :mod:`fastdp.loss_check`), and refuse a token
-            mean over the whole batch (:class:`fastdp.probe.StructureError`). Only a softmax cross-entropy of a model
-            output is read; verdicts are counted in ``probe_stats["loss_verdicts"]``.
+            mean over the whole batch at ``optimizer.step()``, before anything is released
+            (:class:`fastdp.probe.StructureError`). Only a softmax cross-entropy of a model output is read; verdicts
+            are counted in ``probe_stats["loss_verdicts"]``.
         distributed: ``None`` (default): data-parallel over ``torch.distributed``'s default group when it is
             initialised (every rank builds the engine with the same arguments; ``batch_size`` and ``sample_size``
             are global; each rank runs forward and backward on its part of the batch; the clipped sums are

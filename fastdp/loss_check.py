@@ -21,46 +21,35 @@ such estimates must agree), and the row must sum to 0 and imply a label probabil
 2 % at ``V = 50k``). A row whose gradient is 0 carries no label (padding, ``ignore_index``, a position shifted out).
 A ``GradScaler``'s scale is divided out. The weights are judged when the step is released (:func:`settle`).
 
-**Verdicts**, with ``s = B`` (``"mean"``) or ``1`` (``"sum"``), ``n_i`` sample ``i``'s label rows, ``N = Σ_i n_i``
-and ``N_step`` the label rows of every checked pass of the step (a token mean may divide by those of the logical
-batch, as Hugging Face's ``num_items_in_batch`` does under gradient accumulation):
-
-* ``"per-sample mean"``: ``w_r s n_i = 1`` on every label row (the :mod:`fastdp.losses` helpers);
-  ``"per-sample mean (scaled)"``: ``w_r s n_i = κ``, the same ``κ != 1`` on every row (divided by a constant);
-* ``"equal weights"``: every label row has the same weight ``c``: a per-sample sum or a token mean, each times a
-  constant. Judged (:func:`judge`) by ``c s`` and ``c N_step``:
-
-  - ``c s = 1 != c N_step``: ``"per-sample sum"``;
-  - ``c N_step = 1 != c s``: ``"batch token mean"``, **refused**, unless an earlier step of the signature had
-    ``c N_step != 1``;
-  - otherwise, at a later step with another ``N_step``: ``c s`` kept, ``"per-sample sum (scaled)"``; ``c N_step``
-    kept, ``"batch token mean"`` (refused); neither, ``"unverified weights"``.
-
-  When every *labelled* sample has the same ``n`` rows (one label per sample, as a classifier with ignored labels
-  has, or one labelled sample), a token mean, a per-sample sum and a per-sample mean differ by constants only: no
-  refusal from one step, only from the comparison with another (``c s n`` kept also verifies);
-* ``"uninformative"``: every sample has the same number of label rows (the token mean *is* the per-sample mean,
-  exact), or none;
-* ``"not recognised"``: rows that are not a plain softmax cross-entropy's (label smoothing, a temperature, another
-  loss, two losses on the same logits, a class-weighted cross-entropy reads as "unverified weights");
-* ``"unverified weights"``: a cross-entropy whose weights fit none of these forms: logged, not refused.
+**Verdicts** (:mod:`fastdp.loss_verdicts`, which states the rules), per output and per pass, judged when the step
+is released (:func:`settle`): ``"per-sample mean"`` / ``"per-sample sum"`` (each possibly ``" (scaled)"``: times a
+constant), ``"batch token mean"`` (**refused**), ``"equal weights"`` (a per-sample sum or a token mean times a
+constant, not told apart yet), ``"uninformative"`` (every sample has as many label rows: a token mean is then
+exact), ``"not recognised"`` (no plain softmax cross-entropy: label smoothing, a temperature, another loss) and
+``"unverified weights"`` (logged). A token mean is recognised by its weight ``c`` on every label row: ``1/N`` (the
+pass's label rows) or ``1/N_step`` (the step's, as Hugging Face's ``num_items_in_batch`` counts them under gradient
+accumulation) in one pass; times a constant, by ``c N`` (or ``c N_step``) staying the same from pass to pass while
+``c s`` (``s = B`` or 1) does not. A pass whose labelled samples have about as many label rows each (one label per
+sample, one labelled sample, nearly full rows) cannot tell a token mean from a per-sample one: it is only compared
+with other passes, never refused alone.
 
 A refusal is a :class:`fastdp.probe.StructureError` raised by ``optimizer.step()`` before anything is released,
-naming the output, the weight, the counts and the fix; the step's sums are discarded, and on several ranks every
-rank raises (as for the engine's other checks). The check of an input signature (:func:`fastdp.probe.signature`)
-ends with a verdict other than uninformative, not recognised and equal weights, or after ``MAX_TRIES`` judged passes
-without one (or ``MAX_ARMS`` forward calls); a refusal starts the count again (a loop that catches the error is
-refused again). ``PrivacyEngine(verify_loss=False)`` turns it off.
+naming the output, the weight, the counts and the fix; the step's sums are discarded (with the check's passes), and
+on several ranks every rank raises (as for the engine's other checks). The check of an output of an input signature
+(:func:`fastdp.probe.signature`) ends with a verdict other than uninformative, not recognised and equal weights; a
+signature is no longer checked once all its outputs have one, or after ``MAX_TRIES`` judged passes without one (or
+``MAX_ARMS`` forward calls); a refusal starts the count again (a loop that catches the error is refused again).
+``PrivacyEngine(verify_loss=False)`` turns it off.
 
 **What it does not see**, and so does not refuse: a loss that is not a softmax cross-entropy of a model output as
 returned (a temperature or label smoothing make the rows "not recognised"; slicing keeps the form), a divisor that
 depends on the batch in another way (e.g. the padded length, the batch's sum of class weights), and losses that
 couple samples through the outputs (in-batch negatives, contrastive losses): their gradient has no per-row form to
 read. ``fastdp.losses.check_per_sample_loss`` checks any loss function, when called. A token mean times a constant
-other than 1, and a mean over the labelled samples of one-label rows, are refused only at a later step with another
-label count: the steps before are released with their wrong per-sample weights. A per-sample token sum divided by a
-constant that happens to give every label row the weight ``1/N_step`` in the first informative step is refused (a
-false refusal: ``verify_loss=False``).
+other than 1, and a mean over the labelled samples of one-label rows (a classifier with ignored labels), are refused
+only from the first pass that another pass with another label count contradicts: the steps before are released with
+their wrong per-sample weights. A per-sample token sum divided by a constant that happens to give every label row
+the weight ``1/N`` in the first pass of a signature is refused (a false refusal: ``verify_loss=False``).
 
 Cost, per checked pass: one read of the logits at the forward (log-sum-exp and top-3, in row chunks of at most
 ``CHUNK`` elements) and one of their gradient in the backward pass, both on the device without a host read; the
@@ -79,6 +68,7 @@ from typing import Any
 
 import torch
 
+from fastdp.loss_verdicts import Observation, Verdict, judge, observe, verdict
 from fastdp.probe import StructureError
 
 logger = logging.getLogger(__name__)
@@ -88,12 +78,13 @@ MAX_TRIES = 8  # checked backward passes per input signature without a verdict (
 MAX_ARMS = 64  # forward calls per input signature summarised for the check (a backward pass may not follow)
 CHUNK = 1 << 22  # elements of the logits (or their gradient) read at once
 MAX_OUTPUTS = 32  # model outputs checked per call
+MAX_OBSERVATIONS = 16  # equal-weights passes kept per output (fastdp.loss_verdicts.judge compares with them)
 _DEPTH = 4  # nesting of tuples, lists and dicts searched for outputs
 _TINY = 1e-30  # a kept class's probability below this (underflow) gives no estimate
 #: relative tolerance of the weights read from a gradient of this dtype (float32: rounding of p and of G's sum)
 _TOL = {torch.float64: 1e-6, torch.float32: 1e-3}
 _HALF_TOL = 6e-2  # a bf16 log-softmax's output rounding, |log p| 2^-9, is 2 % at V = 50k
-#: verdicts after which a signature is checked again
+#: verdicts after which an output is checked again
 AGAIN = ("uninformative", "not recognised", "equal weights")
 
 
@@ -114,33 +105,24 @@ class RowSummary:
 
 
 @dataclass
-class Observation:
-    """An ``"equal weights"`` step of a signature: ``c s``, ``c N_step`` (``N_step``: the step's label rows) and,
-    when every labelled sample had ``n`` rows, ``c s n`` (else ``None``)."""
-
-    step: int
-    per_sample: float
-    per_token: float
-    rows: int
-    per_sample_mean: float | None
-
-
-@dataclass
 class LossCheck:
-    """The loss check's state in one engine, per input signature: the passes checked (``tries``) and forward calls
-    summarised (``arms``), whether a verdict came (``done``), the first ``"equal weights"`` step (``equal``); and the
-    passes of the step in progress (``pending``, judged by :func:`settle`)."""
+    """The loss check's state in one engine. Per input signature: the passes judged (``tries``), the forward calls
+    summarised (``arms``), the outputs seen (``labels``); per (signature, output): whether a verdict came
+    (``done``) and the equal-weights passes so far (``observations``); and the passes of the step in progress
+    (``pending``, judged by :func:`settle`)."""
 
     tries: dict[Any, int] = field(default_factory=dict)
     arms: dict[Any, int] = field(default_factory=dict)
-    done: set[Any] = field(default_factory=set)
-    equal: dict[Any, Observation] = field(default_factory=dict)
+    labels: dict[Any, set[str]] = field(default_factory=dict)
+    done: set[tuple[Any, str]] = field(default_factory=set)
+    observations: dict[tuple[Any, str], list[Observation]] = field(default_factory=dict)
     pending: list[Pending] = field(default_factory=list)
     steps: int = 0  # steps settled
 
     def wanted(self, sig: Any) -> bool:
-        return (sig not in self.done and self.tries.get(sig, 0) < MAX_TRIES
-                and self.arms.get(sig, 0) < MAX_ARMS)
+        labels = self.labels.get(sig)
+        finished = bool(labels) and all((sig, label) in self.done for label in labels)
+        return (not finished and self.tries.get(sig, 0) < MAX_TRIES and self.arms.get(sig, 0) < MAX_ARMS)
 
 
 def _outputs(out: Any, label: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
@@ -222,90 +204,6 @@ def row_weights(g: torch.Tensor, summ: RowSummary) -> tuple[torch.Tensor, torch.
     return torch.cat(ws), torch.cat(labs), torch.cat(fits)
 
 
-@dataclass
-class Verdict:
-    """One checked output of one backward pass: ``kind`` (see the module docstring), its ``N`` label rows, and for
-    ``"equal weights"`` (or a scaled per-sample mean) the weight ``c`` (``κ``), the smallest and largest count of
-    a sample, and ``n`` when every labelled sample has ``n`` label rows (else 0)."""
-
-    kind: str
-    total: int = 0
-    weight: float = 0.0
-    counts: tuple[int, int] = (0, 0)
-    same_count: int = 0
-
-
-def verdict(w: torch.Tensor, labelled: torch.Tensor, fits: torch.Tensor, B: int, scale: float, mean: bool,
-            tol: float) -> Verdict:
-    """The verdict on rows of ``B`` samples (``w``, ``labelled``, ``fits``: ``(B*R,)`` from :func:`row_weights`),
-    the weights divided by the loss scale ``scale``; ``mean``: ``loss_reduction == "mean"``.
-
-    A pass alone tells a per-sample mean (weights ``1/(s n_i)``, or ``κ/(s n_i)``) from equal weights ``c`` (a
-    per-sample sum or a token mean, each times a constant), which :func:`judge` tells apart with the step's label
-    count and earlier steps. When every sample has as many label rows, a token mean *is* a per-sample mean:
-    ``"uninformative"``."""
-    if not bool(fits.all()):
-        return Verdict("not recognised")
-    lab = labelled.reshape(B, -1)
-    n = lab.sum(1)
-    N = int(n.sum())
-    counts = (int(n.min()), int(n.max()))
-    if N == 0 or counts[0] == counts[1]:
-        return Verdict("uninformative", N)
-    wl = w.reshape(B, -1)[lab].double() / scale
-    n_row = n[:, None].expand_as(lab)[lab].double()
-    c = float(wl.median())
-    if bool(((wl / c - 1).abs() <= tol).all()):
-        same = counts[1] if int(n[n > 0].min()) == counts[1] else 0
-        return Verdict("equal weights", N, c, counts, same)
-    q = wl * (float(B) if mean else 1.0) * n_row  # 1 on every label row for a per-sample mean
-    if bool(((q - 1).abs() <= 3 * tol).all()):
-        return Verdict("per-sample mean", N)
-    kappa = float(q.median())
-    if bool(((q / kappa - 1).abs() <= 3 * tol).all()):
-        return Verdict("per-sample mean (scaled)", N, kappa, counts)
-    return Verdict("unverified weights", N, c, counts)
-
-
-def observe(v: Verdict, s: float, step_rows: int, step: int) -> Observation:
-    c = v.weight
-    return Observation(step, c * s, c * step_rows, step_rows, c * s * v.same_count if v.same_count else None)
-
-
-def judge(now: Observation, first: Observation | None, tol: float) -> str:
-    """An ``"equal weights"`` pass (weight ``c``; ``s`` = ``B`` or 1; ``N_step`` the label rows of every pass of
-    its step: a token mean divides by those of the logical batch, e.g. Hugging Face's ``num_items_in_batch`` under
-    gradient accumulation), given the signature's first such step ``first``:
-
-    * when the labelled samples' counts differ (a per-sample mean is excluded): ``c s = 1 != c N_step``:
-      ``"per-sample sum"``; ``c N_step = 1 != c s``: ``"batch token mean"``, unless an earlier step had
-      ``c N_step != 1`` (then it is no plain token mean: compared as below);
-    * when every labelled sample has ``n`` rows, a token mean, a per-sample sum and a per-sample mean differ by
-      constants only (e.g. one labelled sample): compared as below, never refused from one step;
-    * against ``first`` (another step, another ``N_step``): ``c s`` (or ``c s n``) kept and ``c N_step`` not:
-      ``"per-sample sum (scaled)"``; ``c N_step`` kept and neither other: ``"batch token mean"``; none kept:
-      ``"unverified weights"``; otherwise ``"equal weights"`` (judged again at a later step)."""
-    token, per_sample = abs(now.per_token - 1) <= tol, abs(now.per_sample - 1) <= 3 * tol
-    if now.per_sample_mean is None:
-        if per_sample and not token:
-            return "per-sample sum"
-        if token and not per_sample and (first is None or abs(first.per_token - 1) <= tol):
-            return "batch token mean"
-    if first is None or first.step == now.step or first.rows == now.rows:
-        return "equal weights"
-    keeps_token = abs(now.per_token / first.per_token - 1) <= tol
-    keeps_sum = abs(now.per_sample / first.per_sample - 1) <= 3 * tol
-    keeps_mean = (now.per_sample_mean is not None and first.per_sample_mean is not None
-                  and abs(now.per_sample_mean / first.per_sample_mean - 1) <= 3 * tol)
-    if (keeps_sum or keeps_mean) and not keeps_token:
-        kept = now.per_sample if keeps_sum else now.per_sample_mean
-        form = "per-sample sum" if keeps_sum else "per-sample mean"
-        return form if abs(kept - 1) <= 3 * tol else f"{form} (scaled)"
-    if keeps_token and not keeps_sum and not keeps_mean:
-        return "batch token mean"
-    return "equal weights" if keeps_token else "unverified weights"
-
-
 def arm(engine: Any, state: LossCheck, sig: Any, output: Any, B: int) -> None:
     """After a forward call of the model with signature ``sig`` and batch ``B``: summarise its candidate logits
     and hook their gradients (the check runs in the backward pass)."""
@@ -314,7 +212,9 @@ def arm(engine: Any, state: LossCheck, sig: Any, output: Any, B: int) -> None:
         return
     state.arms[sig] = state.arms.get(sig, 0) + 1
     for label, y in cands:
-        y.register_hook(partial(_on_grad, engine, state, sig, summarise(label, y)))
+        state.labels.setdefault(sig, set()).add(label)
+        if (sig, label) not in state.done:
+            y.register_hook(partial(_on_grad, engine, state, sig, summarise(label, y)))
 
 
 def _loss_scale(engine: Any) -> torch.Tensor | float:
@@ -344,8 +244,8 @@ def _on_grad(engine: Any, state: LossCheck, sig: Any, summ: RowSummary, g: torch
 
 def settle(engine: Any, state: LossCheck) -> StructureError | None:
     """Judge the backward passes checked since the last step (called when a step is released, before anything
-    is): count the verdicts, end the check of the signatures that got one, and return the refusal of a token mean
-    over the batch (the release stage raises it and discards the step; on several ranks, on every rank)."""
+    is; :mod:`fastdp.loss_verdicts`): count the verdicts, end the check of the outputs that got one, and return the
+    refusal of a token mean (the release stage raises it and discards the step; on several ranks, on every rank)."""
     pending, state.pending = state.pending, []
     if not pending:
         return None
@@ -353,28 +253,31 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
     stats = engine.probe_stats
     mean = engine.loss_reduction == "mean"
     judged = [(p, verdict(*p.weights, p.summ.batch, float(p.scale), mean, p.tol)) for p in pending]
-    step_rows = sum(v.total for _, v in judged if v.kind != "not recognised")
+    step_rows: dict[tuple[Any, str], int] = {}
+    for p, v in judged:
+        if v.kind != "not recognised":
+            step_rows[p.sig, p.summ.label] = step_rows.get((p.sig, p.summ.label), 0) + v.total
     error = None
     for p, v in judged:
+        key = (p.sig, p.summ.label)
         stats["loss_checks"] += 1
         state.tries[p.sig] = state.tries.get(p.sig, 0) + 1
         kind = v.kind
         if kind == "equal weights":
-            obs = observe(v, float(p.summ.batch) if mean else 1.0, step_rows, state.steps)
-            kind = judge(obs, state.equal.get(p.sig), p.tol)
-            if kind == "equal weights":
-                state.equal.setdefault(p.sig, obs)
+            earlier = state.observations.setdefault(key, [])
+            obs = observe(v, float(p.summ.batch) if mean else 1.0, step_rows[key], state.steps)
+            kind = judge(obs, earlier, p.tol)
+            if len(earlier) < MAX_OBSERVATIONS:
+                earlier.append(obs)
         stats["loss_verdicts"][kind] = stats["loss_verdicts"].get(kind, 0) + 1
         if kind == "batch token mean":
             state.tries[p.sig] = 0  # refused again while the loss stays what it is
-            error = error or StructureError(_message(engine, p.summ, v, step_rows, len(pending), p.tol))
+            error = error or StructureError(_message(engine, p.summ, v, step_rows[key],
+                                                     sum(1 for q, _ in judged if q.summ.label == p.summ.label), p.tol))
             continue
         if kind not in AGAIN:
-            state.done.add(p.sig)
-        if kind == "per-sample mean (scaled)":
-            logger.info("loss check: %s: a per-sample mean times %.6g (taken as a constant: the engine's clipping "
-                        "sees each sample's gradient times it)", p.summ.label, v.weight)
-        elif kind == "unverified weights":
+            state.done.add(key)
+        if kind == "unverified weights":
             logger.info("loss check: %s is a softmax cross-entropy whose weights (%.6g on a label row; %d label "
                         "rows, %d to %d per sample) fit neither a per-sample mean nor a per-sample sum, nor a "
                         "constant times either: the loss is not verified", p.summ.label, v.weight, v.total,
@@ -388,16 +291,20 @@ def _message(engine: Any, summ: RowSummary, v: Verdict, step_rows: int, passes: 
     mean = engine.loss_reduction == "mean"
     c = v.weight
     over = (f"the {step_rows} label rows of this step's {passes} checked backward passes" if passes > 1
-            else f"the batch's {step_rows} label rows")
-    weight = (f"weight {c:.6g} = 1/{step_rows}, one over {over}" if abs(c * step_rows - 1) <= tol
-              else f"weight {c:.6g} = {c * step_rows:.6g}/{step_rows}, a constant over {over}, the same constant "
-                   "as in an earlier step with another number of label rows")
+            else f"the batch's {v.total} label rows")
+    if abs(c * step_rows - 1) <= tol:
+        weight = f"weight {c:.6g} = 1/{step_rows}, one over {over}"
+    elif abs(c * v.total - 1) <= tol:
+        weight = f"weight {c:.6g} = 1/{v.total}, one over its backward pass's {v.total} label rows"
+    else:
+        weight = (f"weight {c:.6g}, a constant over the label rows ({v.total} in this pass), the same as in an "
+                  "earlier pass with another number of label rows")
     return (f"the loss is a token mean over the whole batch: every label row of the model's {summ.label} has "
             f"{weight} (a sample has {v.counts[0]} to {v.counts[1]}; batch of {summ.batch}). Under "
             f"loss_reduction={engine.loss_reduction!r} sample i is then weighted by {'B * ' if mean else ''}"
-            f"n_i/{step_rows} (up to a constant), a factor set by the other samples' numbers of labels: clipping "
-            "acts on the wrong per-sample gradients and removing one sample rescales all the others, so the privacy "
-            "guarantee fails. Nothing was released. Average within each sample instead: "
+            "n_i / (the label rows of the batch), up to a constant: a factor set by the other samples' numbers of "
+            "labels, so clipping acts on the wrong per-sample gradients and removing one sample rescales all the "
+            "others: the privacy guarantee fails. Nothing was released. Average within each sample instead: "
             "fastdp.losses.causal_lm_loss(logits, labels).mean() (token_classification_loss, seq2seq_loss, or "
             "per_sample_mean(values, mask) for other token losses), or sum the tokens of each sample; under "
             "gradient accumulation let the engine average (one loss_reduction='mean' loss per backward pass), not "

@@ -139,8 +139,9 @@ class Release:
 
     def clear_step(self) -> None:
         """Forget the logical step in progress: its sums, counts and deferred verdicts (after a release, a refusal or
-        a detach)."""
+        a detach), the loss check's passes of the step included."""
         self.summed.clear()
+        self.engine._capture.loss.pending.clear()
         self.backward_seen = False
         self.step_samples = 0
         self.step_passes = 0

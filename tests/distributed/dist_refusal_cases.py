@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from dist_cases import engine_and_opt, grads_or_none, outcome, params_of, run_shard, take_step
 from dist_specs import Spec, build, shard_batches
-from oracle import call_model, make_engine, released_grads
+from oracle import make_engine, released_grads
 
 import fastdp.deferred as deferred
+from fastdp.losses import causal_lm_loss
 
 
 def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int = 1,
@@ -25,9 +26,7 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
     its backward pass it freezes ``fc.weight`` without telling the engine), ``"update_trainable"`` (it freezes
     ``fc.weight`` and calls engine.update_trainable(), the others do not), ``"sigma"`` (it calls
     engine.set_noise_multiplier(0.5) alone), ``"nonfinite_deferred"`` (a NaN in its first sample, with the
-    accelerator's deferred non-finite check switched on everywhere: the culprit raises only at the step),
-    ``"token_mean"`` (its loss is the cross-entropy averaged over its labelled samples, one label ignored: the loss
-    check refuses it, and on several ranks through the step's agreement). The
+    accelerator's deferred non-finite check switched on everywhere: the culprit raises only at the step). The
     first step's data come from another seed, so a leak of its sums into the second step shows against the oracle
     of ``spec``. Returns the outcome of the first step on this
     rank, the gradients and steps right after it, and the second step's released gradients (or its outcome)."""
@@ -58,13 +57,7 @@ def run_refused_step(ctx: Any, spec: Spec, R: float, scenario: str, culprit: int
     if scenario == "nonfinite_deferred":  # the accelerator behaviour on every rank: the check waits for the step
         deferred.DEFER_ON = {"cpu": True, "default": True}
     try:
-        if culprit_here and scenario == "token_mean":
-            # the labelled-sample mean of a classifier (its first label ignored): a divisor set by the batch
-            for x, y in mine:
-                y = y.clone()
-                y[0] = -100
-                F.cross_entropy(call_model(model, x), y, ignore_index=-100).backward()
-        elif not (culprit_here and scenario == "skip_backward"):
+        if not (culprit_here and scenario == "skip_backward"):
             run_shard(model, bad, mine)
         if culprit_here and scenario == "frozen":  # after its backward pass, before the step
             model.fc.weight.requires_grad_(False)
@@ -236,3 +229,31 @@ def run_zero_policy_paths(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
     finally:
         deferred.DEFER_ON = saved_defer
     return out
+
+
+def run_loss_check_refusal(ctx: Any, R: float) -> dict[str, Any]:
+    """A tiny LM on padded batches (samples with 5, 1, 3 and 2 label tokens): rank 1's first loss is the token
+    mean over its batch, rank 0's the per-sample mean; then both use the per-sample mean."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).double()
+    engine = make_engine(model, batch_size=8, R=R, sigma=1.0, noise_generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(10 + ctx.rank))
+    labels = ids.clone()
+    for i, n in enumerate((5, 1, 3, 2)):
+        labels[i, 1 + n:] = -100
+    out = model(ids)
+    if ctx.rank == 1:
+        F.cross_entropy(out[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1), ignore_index=-100).backward()
+    else:
+        causal_lm_loss(out, labels).mean().backward()
+    res: dict[str, Any] = {"first": outcome(opt.step)}
+    res["after_first"] = {"released": [n for n, g in grads_or_none(model).items() if g is not None],
+                          "steps": engine.steps}
+    opt.zero_grad(set_to_none=True)
+    causal_lm_loss(model(ids), labels).mean().backward()
+    res["second"] = outcome(opt.step)
+    res["grads2"] = grads_or_none(model)
+    res["verdicts"] = dict(engine.probe_stats["loss_verdicts"])
+    return res

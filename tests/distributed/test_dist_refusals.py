@@ -7,8 +7,9 @@ short timeout, never a silent wrong release.
   0) on any rank, and the next valid step releases exactly the oracle of ITS batch (the refused step's sums were
   discarded everywhere, not folded in).
 * A rank that calls set_noise_multiplier() alone: refused on every rank, naming the noise multiplier.
-* A rank whose loss averages over its labelled samples only (fastdp.loss_check): refused on every rank at the step,
-  not by that rank's backward pass alone (which would leave the others waiting in the all-reduce).
+* A rank whose loss is a token mean over its batch (fastdp.loss_check): refused on every rank at the step, not by
+  that rank's backward pass alone (which would leave the others waiting in the all-reduce); the next step, with
+  per-sample means everywhere, releases the same gradient on every rank.
 * Ranks that disagree at construction: a frozen parameter on one rank (the error names it, and not the parameters
   the ranks agree on), a different max_grad_norm; a model wrapped
   in DistributedDataParallel (refused, naming the supported pattern); ``distributed=True`` with no process group.
@@ -35,6 +36,7 @@ from dist_refusal_cases import (
     run_distributed_flags,
     run_empty_step_misuse,
     run_local_release,
+    run_loss_check_refusal,
     run_never_step,
     run_refused_step,
     run_state,
@@ -52,8 +54,7 @@ SCENARIOS = {"skip_backward": ("skip_backward", 1, ("backward",)),
              "frozen": ("frozen", 1, ("fc.weight",)),
              "update_trainable": ("update_trainable", 1, ("trainable", "fc.weight")),
              "sigma": ("sigma", 1, ("noise multiplier",)),
-             "nonfinite_deferred": ("nonfinite_deferred", 1, ("NaN", "backward pass 1")),
-             "token_mean": ("token_mean", 1, ("token mean over the whole batch", "verify_loss"))}
+             "nonfinite_deferred": ("nonfinite_deferred", 1, ("NaN", "backward pass 1"))}
 FLAGS = Spec("mixed", ((3,), (2,)), seed=81)
 ZERO = Spec("mixed", ((3,), (2,)), seed=84)
 FLAGS_R = 0.05
@@ -227,3 +228,16 @@ def test_zero_policy_releases_the_same_on_both_paths_across_ranks():
             assert torch.isfinite(g).all(), (r, n)
         assert_grads_close(v["device"]["grads"], v["host"]["grads"], rtol=1e-10, atol=1e-14, msg=f"rank {r}")
     assert_bit_identical([v["device"]["grads"] for v in vals], "zero policy, device path")
+
+
+register(2, "loss-check", lambda: (Case("loss-check", run_loss_check_refusal, {"R": 0.5}), None))
+
+
+def test_loss_check_refusal_on_one_rank_refuses_the_step_everywhere():
+    vals = shared_world(2).values("loss-check")
+    refused_everywhere([v["first"] for v in vals], "loss-check", "rank 1", "token mean over the whole batch")
+    for r, v in enumerate(vals):
+        assert v["after_first"] == {"released": [], "steps": 0}, f"rank {r}: {v['after_first']}"
+        assert not v["second"]["raised"], f"rank {r}'s next, valid step raised: {v['second']['msg']}"
+        assert v["verdicts"].get("per-sample mean") == 1, v["verdicts"]
+    assert_bit_identical([v["grads2"] for v in vals], "loss-check: the step after the refused one")
