@@ -8,11 +8,11 @@ gradient accumulation); ``w_r`` the weight of label row ``r`` (the loss scale di
 
 **One pass** (:func:`verdict`):
 
-* the same number of label rows in every sample, or none: ``"uninformative"`` (a token mean *is* then a
-  per-sample mean, exact);
+* the same number of label rows in every sample, or none, or one labelled sample: ``"uninformative"`` (a token
+  mean *is* then a per-sample mean, exact; one sample says nothing about how samples are weighted);
 * every label row the same weight ``c``: ``"equal weights"``, a per-sample token sum or a token mean, each times a
   constant, judged by :func:`judge`. When the labelled samples' counts are within ``6 tol`` of each other (one
-  label per sample, one labelled sample, nearly full rows), a per-sample mean reads the same: the observation is
+  label per sample, nearly full rows), a per-sample mean reads the same: the observation is
   *ambiguous* and carries ``c s n`` for that hypothesis too;
 * ``w_r s n_i = 1``: ``"per-sample mean"``; ``= κ`` on every row: ``"per-sample mean (scaled)"``;
 * otherwise ``"unverified weights"``.
@@ -29,12 +29,17 @@ token mean (step)      ``c N_step``    divided by the step's label rows (``num_i
 =====================  ==============  ===========================================================
 
 A hypothesis is consistent when its quantity is the same (within ``tol``; ``3 tol`` for the per-sample ones) in
-this pass and in every earlier equal-weights pass of the output that can tell (another ``N``; for the step's
-token mean, another step with another ``N_step``). The consistent hypotheses decide: only token means: refused
+this pass and in every earlier equal-weights pass of the output (where the count is the same, that is the weight:
+the hypothesis predicts it unchanged). The consistent hypotheses decide: only token means: refused
 (``"batch token mean"``); only per-sample ones: ``"per-sample sum"``/``"per-sample mean"`` (``" (scaled)"`` unless
 the quantity is 1); none: ``"unverified weights"``; both kinds: the constant-1 versions break the tie on
 unambiguous passes (``c N = 1`` or ``c N_step = 1`` against ``c s = 1``), else ``"equal weights"`` (judged again
 at the next pass). With no earlier pass only the constant-1 versions can decide, and only on an unambiguous pass.
+
+These hypotheses are per-sample forms times a *global* constant. A per-sample loss weighted by each sample's own
+data (legitimate) gives unequal weights within a pass, "unverified weights", except where every labelled sample of a
+pass happens to get the same weight: two such ambiguous passes can then read as a token mean and be refused (a false
+refusal; ``verify_loss=False``).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def verdict(w: torch.Tensor, labelled: torch.Tensor, fits: torch.Tensor, B: int,
     c = float(wl.median())
     if bool(((wl / c - 1).abs() <= tol).all()):
         nl = n[n > 0].double()
+        if nl.numel() == 1:  # one labelled sample: nothing about how samples are weighted against each other
+            return Verdict("uninformative", N)
         ambiguous = float(nl.max() / nl.min()) - 1 <= _AMBIGUOUS * tol
         return Verdict("equal weights", N, c, counts, float(nl.median()) if ambiguous else 0.0)
     q = wl * (float(B) if mean else 1.0) * n_row  # 1 on every label row for a per-sample mean
@@ -118,7 +125,8 @@ def _close(a: float, b: float, tol: float) -> bool:
 
 
 def _consistent(now: Observation, earlier: Sequence[Observation], tol: float) -> dict[str, bool]:
-    """Each hypothesis: is its quantity the same in ``now`` and every earlier pass that can tell?"""
+    """Each hypothesis: is its quantity the same in ``now`` and every earlier pass? (Also where a count did not
+    change: the hypothesis then predicts the same weight, and a weight that changed contradicts it.)"""
     loose = _LOOSE * tol
     ok = {"per-sample sum": True, "per-sample mean": now.ambiguous, "token mean (pass)": True,
           "token mean (step)": True}
@@ -128,10 +136,8 @@ def _consistent(now: Observation, earlier: Sequence[Observation], tol: float) ->
             ok["per-sample mean"] &= _close(now.per_sample_mean, e.per_sample_mean, loose)
         elif e.ambiguous is not now.ambiguous:
             ok["per-sample mean"] = False  # an unambiguous pass excludes it (equal weights, unequal counts)
-        if e.rows != now.rows:
-            ok["token mean (pass)"] &= _close(now.per_pass, e.per_pass, tol)
-        if e.step != now.step and e.step_rows != now.step_rows:
-            ok["token mean (step)"] &= _close(now.per_step, e.per_step, tol)
+        ok["token mean (pass)"] &= _close(now.per_pass, e.per_pass, tol)
+        ok["token mean (step)"] &= _close(now.per_step, e.per_step, tol)
     return ok
 
 
