@@ -150,15 +150,22 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _row_chunks(t: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``t`` ``(B, ..., V)`` as rows ``(B*R, V)``, in chunks of at most ``CHUNK`` elements, in the accumulation
+    dtype: ``(rows, chunk)`` pairs."""
+    V = t.shape[-1]
+    x = t.detach().reshape(-1, V)
+    step = max(1, CHUNK // V)
+    for s in range(0, x.shape[0], step):
+        yield slice(s, s + step), x[s:s + step].to(_acc(t.dtype))
+
+
 def summarise(label: str, y: torch.Tensor) -> RowSummary:
     """Per row of ``y`` ``(B, ..., V)``: log-sum-exp and the ``TOP`` largest logits with their classes."""
     V = y.shape[-1]
-    x = y.detach().reshape(-1, V)
-    step = max(1, CHUNK // V)
     lse, top, classes = [], [], []
     with torch.no_grad():
-        for s in range(0, x.shape[0], step):
-            xc = x[s:s + step].to(_acc(y.dtype))
+        for _, xc in _row_chunks(y):
             lse.append(torch.logsumexp(xc, -1))
             v, i = xc.topk(min(TOP, V), -1)
             top.append(v)
@@ -174,15 +181,11 @@ def row_weights(g: torch.Tensor, summ: RowSummary) -> tuple[torch.Tensor, torch.
     saturated row); ``labelled``: the row's gradient is not 0; ``fits``: the row is
     ``w_r (p_r - e_y)`` within the dtype's tolerance (every kept estimate agrees, the row sums to 0, the implied
     label probability is in ``[0, 1]``), or unlabelled."""
-    V = g.shape[-1]
     tol = _tol(g.dtype)
-    x = g.detach().reshape(-1, V)
-    step = max(1, CHUNK // V)
     ws, labs, fits = [], [], []
     with torch.no_grad():
-        for s in range(0, x.shape[0], step):
-            gc = x[s:s + step].to(_acc(g.dtype))
-            lse, top, cls = summ.lse[s:s + step], summ.top[s:s + step], summ.classes[s:s + step]
+        for rows, gc in _row_chunks(g):
+            lse, top, cls = summ.lse[rows], summ.top[rows], summ.classes[rows]
             labelled = (gc != 0).any(-1)
             y = gc.argmin(-1, keepdim=True)
             # a saturated row (the label's probability rounded to 1: its entry 0, none negative): the most probable
