@@ -39,7 +39,8 @@ on several ranks every rank raises (as for the engine's other checks). The check
 (:func:`fastdp.probe.signature`) ends with a verdict other than uninformative, not recognised and equal weights; a
 signature is no longer checked once all its outputs have one, or after ``MAX_TRIES`` judged passes without one (or
 ``MAX_ARMS`` forward calls); a refusal starts the count again (a loop that catches the error is refused again).
-``PrivacyEngine(verify_loss=False)`` turns it off.
+An output whose passes were "not recognised" until the signature's check ended is named once per engine in a
+warning (its loss was not verified). ``PrivacyEngine(verify_loss=False)`` turns it off.
 
 **What it does not see**, and so does not refuse: a loss that is not a softmax cross-entropy of a model output as
 returned (a temperature or label smoothing make the rows "not recognised"; slicing keeps the form), a divisor that
@@ -118,6 +119,8 @@ class LossCheck:
     observations: dict[tuple[Any, str], list[Observation]] = field(default_factory=dict)
     pending: list[Pending] = field(default_factory=list)
     steps: int = 0  # steps settled
+    unread: set[str] = field(default_factory=set)  # outputs with a "not recognised" pass
+    warned: bool = False  # the warning that a loss could not be read (once per engine)
 
     def wanted(self, sig: Any) -> bool:
         labels = self.labels.get(sig)
@@ -287,6 +290,15 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
                         *v.counts)
         else:
             logger.debug("loss check: %s: %s", p.summ.label, kind)
+        if kind == "not recognised":
+            state.unread.add(p.summ.label)
+        if (state.tries[p.sig] >= MAX_TRIES and key not in state.done and p.summ.label in state.unread
+                and not state.warned):
+            state.warned = True
+            logger.warning("loss check: the loss on the model's %s is not a plain softmax cross-entropy the check can "
+                           "read (label smoothing, a temperature, another loss), so the engine did not verify that "
+                           "it is a mean or sum of per-sample losses; check it once with "
+                           "fastdp.losses.check_per_sample_loss (docs/reference/losses.md)", p.summ.label)
     return error
 
 

@@ -475,3 +475,20 @@ def test_passes_of_a_discarded_step_are_not_judged_later():
     causal_lm_loss(model(ids), labels).mean().backward()
     opt.step()
     assert eng.steps == 2 and eng.probe_stats["loss_verdicts"] == {"per-sample mean": 1}
+
+
+def test_a_loss_the_check_cannot_read_is_named_once(caplog):
+    """Label smoothing: "not recognised" at every checked pass; when the signature's check ends, one warning says
+    the loss was not verified and names the check to run."""
+    model = TinyLM()
+    eng, opt = engine_for(model)
+    ids, labels = batch([5, 1, 3, 2])
+    with caplog.at_level("WARNING", logger="fastdp.loss_check"):
+        for _ in range(loss_check.MAX_TRIES + 2):
+            o = model(ids)
+            F.cross_entropy(o[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=IGN,
+                            label_smoothing=0.1).backward()
+            opt.step()
+    warned = [r for r in caplog.records if "not verify" in r.getMessage()]
+    assert len(warned) == 1 and "check_per_sample_loss" in warned[0].getMessage()
+    assert eng.probe_stats["loss_verdicts"] == {"not recognised": loss_check.MAX_TRIES}
