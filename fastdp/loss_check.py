@@ -36,11 +36,14 @@ with other passes, never refused alone.
 A refusal is a :class:`fastdp.probe.StructureError` raised by ``optimizer.step()`` before anything is released,
 naming the output, the weight, the counts and the fix; the step's sums are discarded (with the check's passes), and
 on several ranks every rank raises (as for the engine's other checks). The check of an output of an input signature
-(:func:`fastdp.probe.signature`) ends with a verdict other than uninformative, not recognised and equal weights; a
-signature is no longer checked once all its outputs have one, or after ``MAX_TRIES`` judged passes without one (or
-``MAX_ARMS`` forward calls); a refusal starts the count again (a loop that catches the error is refused again).
-An output whose passes were "not recognised" until the signature's check ended is named once per engine in a
-warning (its loss was not verified). ``PrivacyEngine(verify_loss=False)`` turns it off.
+(:func:`fastdp.probe.signature`) ends with a verdict other than uninformative, not recognised and equal weights, or
+when it is not recognised in a pass where another output was (a hidden state, not logits). A signature is no longer
+checked once all its outputs are done, or after ``MAX_TRIES`` judged passes without it (a pass whose outputs were
+all uninformative counts toward ``MAX_UNINFORMATIVE`` instead), or ``MAX_ARMS`` forward calls; a refusal starts the
+count again (a loop that catches the error is refused again). When a signature's check ends with none of its outputs
+ever read as a cross-entropy, one warning per engine says its loss was not verified.
+``PrivacyEngine(verify_loss=False)`` turns the check off. Its state is not saved in checkpoints: after
+``load_state_dict`` the check starts again (a token mean times a constant may then have one more step released).
 
 **What it does not see**, and so does not refuse: a loss that is not a softmax cross-entropy of a model output as
 returned (a temperature or label smoothing make the rows "not recognised"; slicing keeps the form), a divisor that
@@ -75,8 +78,9 @@ from fastdp.probe import StructureError
 logger = logging.getLogger(__name__)
 
 TOP = 3  # largest logits kept per row
-MAX_TRIES = 8  # checked backward passes per input signature without a verdict (a refusal starts the count again)
-MAX_ARMS = 64  # forward calls per input signature summarised for the check (a backward pass may not follow)
+MAX_TRIES = 8  # judged passes per input signature without a verdict (a refusal starts the count again)
+MAX_UNINFORMATIVE = 64  # passes per input signature whose outputs were all uninformative (equal label counts)
+MAX_ARMS = 256  # forward calls per input signature summarised for the check (a backward pass may not follow)
 CHUNK = 1 << 22  # elements of the logits (or their gradient) read at once
 MAX_OUTPUTS = 32  # model outputs checked per call
 MAX_OBSERVATIONS = 16  # equal-weights passes kept per output (fastdp.loss_verdicts.judge compares with them)
@@ -118,14 +122,17 @@ class LossCheck:
     done: set[tuple[Any, str]] = field(default_factory=set)
     observations: dict[tuple[Any, str], list[Observation]] = field(default_factory=dict)
     pending: list[Pending] = field(default_factory=list)
+    uninformative: dict[Any, int] = field(default_factory=dict)  # passes whose outputs were all uninformative
+    recognised: set[Any] = field(default_factory=set)  # signatures with an output read as a cross-entropy
     steps: int = 0  # steps settled
-    unread: set[str] = field(default_factory=set)  # outputs with a "not recognised" pass
+    calls: int = 0  # forward calls summarised (the id of a pass in Pending)
     warned: bool = False  # the warning that a loss could not be read (once per engine)
 
     def wanted(self, sig: Any) -> bool:
         labels = self.labels.get(sig)
         finished = bool(labels) and all((sig, label) in self.done for label in labels)
-        return (not finished and self.tries.get(sig, 0) < MAX_TRIES and self.arms.get(sig, 0) < MAX_ARMS)
+        return (not finished and self.tries.get(sig, 0) < MAX_TRIES and self.arms.get(sig, 0) < MAX_ARMS
+                and self.uninformative.get(sig, 0) < MAX_UNINFORMATIVE)
 
 
 def _outputs(out: Any, label: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
@@ -217,10 +224,11 @@ def arm(engine: Any, state: LossCheck, sig: Any, output: Any, B: int) -> None:
     if not cands:
         return
     state.arms[sig] = state.arms.get(sig, 0) + 1
+    state.calls += 1
     for label, y in cands:
         state.labels.setdefault(sig, set()).add(label)
         if (sig, label) not in state.done:
-            y.register_hook(partial(_on_grad, engine, state, sig, summarise(label, y)))
+            y.register_hook(partial(_on_grad, engine, state, sig, state.calls, summarise(label, y)))
 
 
 def _loss_scale(engine: Any) -> torch.Tensor | float:
@@ -234,24 +242,30 @@ class Pending:
     (:func:`row_weights`, on the device) and what the verdict needs."""
 
     sig: Any
+    call: int  # the forward call (LossCheck.calls) whose output it is
     summ: RowSummary
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     scale: torch.Tensor | float
     tol: float
 
 
-def _on_grad(engine: Any, state: LossCheck, sig: Any, summ: RowSummary, g: torch.Tensor) -> None:
+def _on_grad(engine: Any, state: LossCheck, sig: Any, call: int, summ: RowSummary, g: torch.Tensor) -> None:
     """The tensor hook on a checked output: read the rows' weights (no host read: judged at the step). A second
     gradient of the same output (``retain_graph``, ``torch.autograd.grad``) replaces the first: its rows are
     counted once in the step's label rows."""
     state.pending = [p for p in state.pending if p.summ is not summ]
-    state.pending.append(Pending(sig, summ, row_weights(g, summ), _loss_scale(engine), _tol(g.dtype)))
+    state.pending.append(Pending(sig, call, summ, row_weights(g, summ), _loss_scale(engine), _tol(g.dtype)))
 
 
 def settle(engine: Any, state: LossCheck) -> StructureError | None:
     """Judge the backward passes checked since the last step (called when a step is released, before anything
     is; :mod:`fastdp.loss_verdicts`): count the verdicts, end the check of the outputs that got one, and return the
-    refusal of a token mean (the release stage raises it and discards the step; on several ranks, on every rank)."""
+    refusal of a token mean (the release stage raises it and discards the step; on several ranks, on every rank).
+
+    Budget, per input signature: a pass (one forward call's outputs) counts toward ``MAX_TRIES`` unless all its
+    outputs were uninformative (those count toward ``MAX_UNINFORMATIVE``: a classifier whose batches are mostly
+    fully labelled needs two passes with ignored labels to be judged). An output not recognised in a pass where
+    another output was recognised is not logits (a hidden state): it is no longer checked."""
     pending, state.pending = state.pending, []
     if not pending:
         return None
@@ -260,14 +274,20 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
     mean = engine.loss_reduction == "mean"
     judged = [(p, verdict(*p.weights, p.summ.batch, float(p.scale), mean, p.tol)) for p in pending]
     step_rows: dict[tuple[Any, str], int] = {}
+    recognised_calls = set()
     for p, v in judged:
         if v.kind != "not recognised":
             step_rows[p.sig, p.summ.label] = step_rows.get((p.sig, p.summ.label), 0) + v.total
+            recognised_calls.add(p.call)
+            state.recognised.add(p.sig)
+    for call, sig in {p.call: p.sig for p, _ in judged}.items():
+        kinds = {v.kind for p, v in judged if p.call == call}
+        budget = state.uninformative if kinds == {"uninformative"} else state.tries
+        budget[sig] = budget.get(sig, 0) + 1
     error = None
     for p, v in judged:
         key = (p.sig, p.summ.label)
         stats["loss_checks"] += 1
-        state.tries[p.sig] = state.tries.get(p.sig, 0) + 1
         kind = v.kind
         if kind == "equal weights":
             earlier = state.observations.setdefault(key, [])
@@ -281,8 +301,8 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
             error = error or StructureError(_message(engine, p.summ, v, step_rows[key],
                                                      sum(1 for q, _ in judged if q.summ.label == p.summ.label), p.tol))
             continue
-        if kind not in AGAIN:
-            state.done.add(key)
+        if kind not in AGAIN or (kind == "not recognised" and p.call in recognised_calls):
+            state.done.add(key)  # a verdict; or not the loss's logits (another output of the call was read)
         if kind == "unverified weights":
             logger.info("loss check: %s is a softmax cross-entropy whose weights (%.6g on a label row; %d label "
                         "rows, %d to %d per sample) fit neither a per-sample mean nor a per-sample sum, nor a "
@@ -290,15 +310,14 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
                         *v.counts)
         else:
             logger.debug("loss check: %s: %s", p.summ.label, kind)
-        if kind == "not recognised":
-            state.unread.add(p.summ.label)
-        if (state.tries[p.sig] >= MAX_TRIES and key not in state.done and p.summ.label in state.unread
-                and not state.warned):
+    for sig in {p.sig for p, _ in judged}:
+        if state.tries.get(sig, 0) >= MAX_TRIES and sig not in state.recognised and not state.warned:
             state.warned = True
-            logger.warning("loss check: the loss on the model's %s is not a plain softmax cross-entropy the check can "
-                           "read (label smoothing, a temperature, another loss), so the engine did not verify that "
-                           "it is a mean or sum of per-sample losses; check it once with "
-                           "fastdp.losses.check_per_sample_loss (docs/reference/losses.md)", p.summ.label)
+            logger.warning("loss check: the loss on the model's outputs (%s) is not a plain softmax cross-entropy "
+                           "the check can read (label smoothing, a temperature, another loss), so the engine did "
+                           "not verify that it is a mean or sum of per-sample losses; check it once with "
+                           "fastdp.losses.check_per_sample_loss (docs/reference/losses.md)",
+                           ", ".join(sorted(state.labels.get(sig, ()))))
     return error
 
 

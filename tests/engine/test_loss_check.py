@@ -492,3 +492,58 @@ def test_a_loss_the_check_cannot_read_is_named_once(caplog):
     warned = [r for r in caplog.records if "not verify" in r.getMessage()]
     assert len(warned) == 1 and "check_per_sample_loss" in warned[0].getMessage()
     assert eng.probe_stats["loss_verdicts"] == {"not recognised": loss_check.MAX_TRIES}
+
+
+# ------------------------------------------------------------------------------------ found by a third pass
+def test_a_hidden_state_output_is_dropped_once_the_logits_are_read(caplog):
+    """T5/BART return ``encoder_last_hidden_state``, which the decoder read (so it gets a gradient): not
+    recognised where the logits were. It is no longer checked, no warning, and the signature's check ends."""
+    class WithHidden(TinyLM):
+        def forward(self, ids):
+            h = torch.tanh(self.emb(ids))
+            return {"logits": self.head(h), "hidden": h}
+
+    model = WithHidden()
+    eng, opt = engine_for(model)
+    ids, labels = batch([5, 1, 3, 2])
+    with caplog.at_level("WARNING", logger="fastdp.loss_check"):
+        for _ in range(3):
+            causal_lm_loss(model(ids)["logits"], labels).mean().backward()
+            opt.step()
+    assert eng.probe_stats["loss_verdicts"] == {"per-sample mean": 1, "not recognised": 1}
+    assert eng.probe_stats["loss_checks"] == 2 and not caplog.records
+
+
+def test_the_budget_counts_passes_not_outputs_and_full_batches_apart():
+    """A classifier whose batches are mostly fully labelled (uninformative) with a mean over its labelled samples:
+    those passes do not use up the 8 judged passes, so the two later batches with ignored labels are compared and
+    refused. Two outputs per pass (QA's start and end logits) count as one pass."""
+    torch.manual_seed(0)
+
+    class TwoLogits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    model = TwoLogits()
+    eng, opt = engine_for(model)
+    x = torch.randn(4, 5)
+    full = torch.tensor([0, 2, 1, 1])
+
+    def loss(y):
+        o1, o2 = model(x)
+        return (F.cross_entropy(o1, y, ignore_index=IGN) + F.cross_entropy(o2, y, ignore_index=IGN)) / 2
+
+    for _ in range(loss_check.MAX_TRIES + 4):
+        loss(full).backward()
+        opt.step()
+    assert eng._capture.loss.tries == {} and eng.probe_stats["loss_checks"] == 2 * (loss_check.MAX_TRIES + 4)
+    loss(torch.tensor([0, 2, IGN, 1])).backward()
+    opt.step()  # one pass cannot tell a mean over the labelled samples from a per-sample loss times a constant
+    loss(torch.tensor([IGN, 2, IGN, 1])).backward()
+    with pytest.raises(fastdp.StructureError, match=r"output\[[01]\] has weight 0.25, a constant"):
+        opt.step()
+    assert list(eng._capture.loss.tries.values()) == [0]
