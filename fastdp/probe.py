@@ -88,6 +88,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -553,7 +554,11 @@ def _nonfinite_data(engine: Any, findings: list[Finding]) -> bool:
 def _engine_failed(e: BaseException) -> Finding:
     logger.info("structure probe: the engine's pass failed (%s: %s)", type(e).__name__,
                 str(e).splitlines()[0][:200] if str(e) else "")
-    return Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}")
+    hint = ""
+    if any(f.filename.replace("\\", "/").endswith("/cache_utils.py") for f in traceback.extract_tb(e.__traceback__)):
+        hint = (" [raised inside transformers' key/value cache: the model updates a cache in its forward, which a "
+                "per-sample replay repeats; call it with use_cache=False for training]")
+    return Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}{hint}")
 
 
 def _free(records: list[Any]) -> None:

@@ -124,3 +124,44 @@ def test_t5_encoder_model_matches_the_oracle(b):
     mask[1:, -1] = 0
     data = [((ids, mask), torch.randn(b, 7, HID, generator=g, dtype=D))]
     check_engine(model, lambda h, y: 0.5 * (h - y).pow(2).flatten(1).sum(1), data, mode="BK-MixOpt", atol_rel=1e-6)
+
+
+def test_an_engine_pass_failing_in_a_kv_cache_names_use_cache():
+    """Found by a red-team pass: T5 with a cache under bf16 autocast (B 8, T 20) was refused by the probe's engine
+    pass failing inside transformers' cache (the fallback's replay repeats the cache update), with a message that
+    named only the attention modules. An engine-pass failure raised in a ``cache_utils.py`` now names the fix."""
+    from fastdp import probe
+
+    code = compile("def update():\n    raise RuntimeError('Sizes of tensors must match')\n",
+                   "/site-packages/transformers/cache_utils.py", "exec")
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102 - a function whose frames are in a file named cache_utils.py
+    try:
+        scope["update"]()
+    except RuntimeError as e:
+        finding = probe._engine_failed(e)
+    assert "use_cache=False for training" in finding.detail
+    try:
+        raise RuntimeError("elsewhere")
+    except RuntimeError as e:
+        assert "use_cache" not in probe._engine_failed(e).detail
+
+
+def test_t5_under_bf16_autocast_trains_with_use_cache_false():
+    torch.manual_seed(0)
+    m = t5().train()
+    engine = make_engine(m, batch_size=4, R=1.0, sigma=0.0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    engine.attach(opt)
+    ids = torch.randint(3, V, (4, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 9, dtype=torch.long)
+    mask[1, 5:] = 0
+    labels = torch.randint(3, V, (4, 6), generator=torch.Generator().manual_seed(2))
+    labels[2, 3:] = -100
+    dec = torch.cat([torch.zeros(4, 1, dtype=torch.long), labels[:, :-1].clamp_min(0)], 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, use_cache=False)
+    losses.seq2seq_loss(out.logits, labels).mean().backward()
+    opt.step()
+    assert engine.steps == 1 and engine.probe_stats["loss_verdicts"]["per-sample mean"] == 1  # the logits; the
+    # encoder_last_hidden_state output (read by the decoder) is "not recognised" and then dropped
