@@ -305,7 +305,7 @@ class Capture:
         if (self.engine.verify_loss and B is not None and B >= 2 and len(self.roots) == 1 and not self.inert
                 and torch.is_grad_enabled() and not self.paused):
             sig = probe.signature(args, kwargs, B, module.training)
-            if self.loss.wanted(sig):
+            if self.loss.take(sig):
                 frame.loss_sig = sig
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -39,7 +39,8 @@ on several ranks every rank raises (as for the engine's other checks). The check
 (:func:`fastdp.probe.signature`) ends with a verdict other than uninformative, not recognised and equal weights, or
 when it is not recognised in a pass where another output was (a hidden state, not logits). A signature is no longer
 checked once all its outputs are done, or after ``MAX_TRIES`` judged passes without it (a pass whose outputs were
-all uninformative counts toward ``MAX_UNINFORMATIVE`` instead), or ``MAX_ARMS`` forward calls; a refusal starts the
+all uninformative counts toward ``MAX_UNINFORMATIVE`` instead, and after ``SPARSE_AFTER`` of them only one forward
+call in ``SPARSE_EVERY`` is checked), or ``MAX_ARMS`` forward calls; a refusal starts the
 count again (a loop that catches the error is refused again). When a signature's check ends with none of its outputs
 ever read as a cross-entropy, one warning per engine says its loss was not verified.
 ``PrivacyEngine(verify_loss=False)`` turns the check off. Its state is not saved in checkpoints: after
@@ -80,6 +81,7 @@ logger = logging.getLogger(__name__)
 TOP = 3  # largest logits kept per row
 MAX_TRIES = 8  # judged passes per input signature without a verdict (a refusal starts the count again)
 MAX_UNINFORMATIVE = 64  # passes per input signature whose outputs were all uninformative (equal label counts)
+SPARSE_AFTER, SPARSE_EVERY = 8, 8  # after 8 such passes, one forward call in 8 is checked
 MAX_ARMS = 256  # forward calls per input signature summarised for the check (a backward pass may not follow)
 CHUNK = 1 << 22  # elements of the logits (or their gradient) read at once
 MAX_OUTPUTS = 32  # model outputs checked per call
@@ -123,16 +125,24 @@ class LossCheck:
     observations: dict[tuple[Any, str], list[Observation]] = field(default_factory=dict)
     pending: list[Pending] = field(default_factory=list)
     uninformative: dict[Any, int] = field(default_factory=dict)  # passes whose outputs were all uninformative
+    forwards: dict[Any, int] = field(default_factory=dict)  # forward calls of the signature (checked or not)
     recognised: set[Any] = field(default_factory=set)  # signatures with an output read as a cross-entropy
     steps: int = 0  # steps settled
     calls: int = 0  # forward calls summarised (the id of a pass in Pending)
     warned: bool = False  # the warning that a loss could not be read (once per engine)
 
-    def wanted(self, sig: Any) -> bool:
+    def take(self, sig: Any) -> bool:
+        """Whether to check this forward call of signature ``sig`` (counted). After ``SPARSE_AFTER`` passes whose
+        outputs were all uninformative (fully labelled batches: every one of a classifier's, a packed LM's), only
+        every ``SPARSE_EVERY``-th call is checked, so that steady training does not pay for the check."""
+        calls = self.forwards[sig] = self.forwards.get(sig, 0) + 1
         labels = self.labels.get(sig)
         finished = bool(labels) and all((sig, label) in self.done for label in labels)
-        return (not finished and self.tries.get(sig, 0) < MAX_TRIES and self.arms.get(sig, 0) < MAX_ARMS
-                and self.uninformative.get(sig, 0) < MAX_UNINFORMATIVE)
+        uninformative = self.uninformative.get(sig, 0)
+        if (finished or self.tries.get(sig, 0) >= MAX_TRIES or self.arms.get(sig, 0) >= MAX_ARMS
+                or uninformative >= MAX_UNINFORMATIVE):
+            return False
+        return uninformative < SPARSE_AFTER or calls % SPARSE_EVERY == 0
 
 
 def _outputs(out: Any, label: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
