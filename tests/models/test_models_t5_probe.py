@@ -147,21 +147,34 @@ def test_an_engine_pass_failing_in_a_kv_cache_names_use_cache():
         assert "use_cache" not in probe._engine_failed(e).detail
 
 
-def test_t5_under_bf16_autocast_trains_with_use_cache_false():
+@pytest.mark.parametrize("use_cache", [None, False])
+def test_t5_under_bf16_autocast_trains_with_and_without_a_cache(use_cache):
+    """Found by a red-team pass: T5 called without ``use_cache=False`` under bf16 autocast (B 8, T 20) was refused.
+    The probe's fallback gives its stacks to the generic path (as in float64), whose replay check compared float32
+    outputs computed through bf16 products at float32's tolerance (they differed by 0.008): it now uses the autocast
+    dtype's. Both calls train."""
+    import random
+
+    vocab = 97
     torch.manual_seed(0)
-    m = t5().train()
-    engine = make_engine(m, batch_size=4, R=1.0, sigma=0.0)
+    m = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=vocab, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        decoder_start_token_id=0)).train()
+    engine = make_engine(m, batch_size=8, R=1.0, sigma=0.0)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     engine.attach(opt)
-    ids = torch.randint(3, V, (4, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(4, 9, dtype=torch.long)
-    mask[1, 5:] = 0
-    labels = torch.randint(3, V, (4, 6), generator=torch.Generator().manual_seed(2))
-    labels[2, 3:] = -100
-    dec = torch.cat([torch.zeros(4, 1, dtype=torch.long), labels[:, :-1].clamp_min(0)], 1)
+    rng = random.Random(0)
+    ids = torch.randint(3, vocab, (8, 20))
+    mask = torch.zeros(8, 20, dtype=torch.long)
+    labels = torch.randint(3, vocab, (8, 10))
+    for i in range(8):
+        mask[i, :rng.randint(2, 20)] = 1
+        labels[i, rng.randint(1, 10):] = -100
+    dec = torch.cat([torch.zeros(8, 1, dtype=torch.long), labels[:, :-1].clamp_min(0)], 1)
+    kw = {} if use_cache is None else {"use_cache": use_cache}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, use_cache=False)
+        out = m(input_ids=ids * mask, attention_mask=mask, decoder_input_ids=dec, **kw)
     losses.seq2seq_loss(out.logits, labels).mean().backward()
     opt.step()
-    assert engine.steps == 1 and engine.probe_stats["loss_verdicts"]["per-sample mean"] == 1  # the logits; the
-    # encoder_last_hidden_state output (read by the decoder) is "not recognised" and then dropped
+    assert engine.steps == 1 and engine.probe_stats["loss_verdicts"]["per-sample mean"] == 1
