@@ -206,10 +206,11 @@ def row_weights(g: torch.Tensor, summ: RowSummary) -> tuple[torch.Tensor, torch.
     with torch.no_grad():
         for rows, gc in _row_chunks(g):
             lse, top, cls = summ.lse[rows], summ.top[rows], summ.classes[rows]
-            labelled = (gc != 0).any(-1)
             y = gc.argmin(-1, keepdim=True)
+            g_min = gc.gather(-1, y)[:, 0]
+            labelled = ~((g_min == 0) & (gc.amax(-1) == 0))  # not all zero (a NaN row counts as labelled)
             # a saturated row (the label's probability rounded to 1: its entry 0, none negative): the most probable
-            y = torch.where(gc.gather(-1, y) < 0, y, cls[:, :1])
+            y = torch.where((g_min < 0)[:, None], y, cls[:, :1])
             gy = gc.gather(-1, y)[:, 0]
             p = torch.exp(top - lse[:, None])
             usable = (cls != y) & (p > _TINY)

@@ -94,6 +94,20 @@ def test_row_weights_are_the_losss_weights(dtype, tol):
     torch.testing.assert_close(got[labelled].double(), w.flatten()[labelled], rtol=tol, atol=0)
 
 
+def test_a_nan_row_is_labelled_and_does_not_fit():
+    """A non-finite gradient row is never taken for an unlabelled one (which would change the counts)."""
+    g = torch.Generator().manual_seed(3)
+    Y = torch.randn(2, 3, V, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (2, 3), generator=g)
+    (G,) = torch.autograd.grad(F.cross_entropy(Y.transpose(1, 2), y), Y)
+    G = G.clone()
+    G[0, 1, 4] = float("nan")
+    G[1, 2] = 0.0
+    _, labelled, fits = loss_check.row_weights(G, loss_check.summarise("out", Y))
+    assert labelled.tolist() == [True, True, True, True, True, False]
+    assert fits.tolist() == [True, False, True, True, True, True]
+
+
 @pytest.mark.parametrize("loss", ["label smoothing", "temperature", "mse"])
 def test_rows_of_other_losses_do_not_fit(loss):
     g = torch.Generator().manual_seed(2)
