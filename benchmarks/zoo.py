@@ -48,6 +48,7 @@ DEFAULT_METHOD = f"fastdp {FASTDP_MODES[0]}"
 VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, on arrival off": ({}, {"_capture.on_arrival": False}),
     f"{DEFAULT_METHOD}, no probe": ({"verify_structure": False}, {}),
+    f"{DEFAULT_METHOD}, no loss check": ({"verify_loss": False}, {}),
     f"{DEFAULT_METHOD}, slack 1.25": ({}, {}),
     f"{DEFAULT_METHOD}, full Grams": ({}, {}),
     f"{DEFAULT_METHOD}, aligned Grams": ({}, {}),

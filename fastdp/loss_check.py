@@ -50,7 +50,9 @@ ever read as a cross-entropy, one warning per engine says its loss was not verif
 returned (a temperature or label smoothing make the rows "not recognised"; slicing keeps the form), a divisor that
 depends on the batch in another way (e.g. the padded length, the batch's sum of class weights), and losses that
 couple samples through the outputs (in-batch negatives, contrastive losses): their gradient has no per-row form to
-read. ``fastdp.losses.check_per_sample_loss`` checks any loss function, when called. A token mean times a constant
+read. ``fastdp.losses.check_per_sample_loss`` checks any loss function, when called. After ``SPARSE_AFTER`` fully
+labelled passes only one forward call in ``SPARSE_EVERY`` is checked: a token mean whose first padded batch comes
+later is refused at the next checked call, up to ``SPARSE_EVERY - 1`` steps later. A token mean times a constant
 other than 1, and a mean over the labelled samples of one-label rows (a classifier with ignored labels), are refused
 only from the first pass that another pass with another label count contradicts: the steps before are released with
 their wrong per-sample weights. A per-sample token sum divided by a constant that happens to give every label row
@@ -81,7 +83,7 @@ logger = logging.getLogger(__name__)
 TOP = 3  # largest logits kept per row
 MAX_TRIES = 8  # judged passes per input signature without a verdict (a refusal starts the count again)
 MAX_UNINFORMATIVE = 64  # passes per input signature whose outputs were all uninformative (equal label counts)
-SPARSE_AFTER, SPARSE_EVERY = 8, 8  # after 8 such passes, one forward call in 8 is checked
+SPARSE_AFTER, SPARSE_EVERY = 2, 8  # after 2 such passes, one forward call in 8 is checked
 MAX_ARMS = 256  # forward calls per input signature summarised for the check (a backward pass may not follow)
 CHUNK = 1 << 22  # elements of the logits (or their gradient) read at once
 MAX_OUTPUTS = 32  # model outputs checked per call

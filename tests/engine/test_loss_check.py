@@ -208,17 +208,21 @@ def test_verify_loss_false_trains_the_token_mean_silently():
 
 
 def test_a_batch_with_equal_counts_is_checked_again():
+    """Equal counts say nothing (the token mean is exact there): the next pass is checked; after SPARSE_AFTER such
+    passes, one forward call in SPARSE_EVERY."""
     model = TinyLM()
     eng, opt = engine_for(model)
-    for counts in ([5, 5, 5, 5], [5, 5, 5, 5]):
-        ids, labels = batch(counts)
-        token_mean(model(ids), labels).backward()  # exact here: B n_i / N = 1
-        opt.step()
-    ids, labels = batch([5, 1, 5, 5])
-    token_mean(model(ids), labels).backward()
-    with pytest.raises(fastdp.StructureError, match="token mean"):
-        opt.step()
-    assert eng.probe_stats["loss_verdicts"] == {"uninformative": 2, "batch token mean": 1}
+    refused_at = []
+    for n in range(1, 2 * loss_check.SPARSE_EVERY + 1):
+        ids, labels = batch([5, 5, 5, 5] if n <= loss_check.SPARSE_AFTER else [5, 1, 5, 5])
+        token_mean(model(ids), labels).backward()  # exact for equal counts: B n_i / N = 1
+        try:
+            opt.step()
+        except fastdp.StructureError as e:
+            assert "token mean" in str(e)
+            refused_at.append(n)
+    assert refused_at == [loss_check.SPARSE_EVERY, 2 * loss_check.SPARSE_EVERY]  # the checked calls
+    assert eng.probe_stats["loss_verdicts"] == {"uninformative": loss_check.SPARSE_AFTER, "batch token mean": 2}
 
 
 @pytest.mark.parametrize("loss,outcome", [("token mean", "refused"), ("per-sample sum", "per-sample sum (scaled)"),
@@ -556,9 +560,11 @@ def test_the_budget_counts_passes_not_outputs_and_full_batches_apart():
     for _ in range(loss_check.MAX_TRIES + 4):
         loss(full).backward()
         opt.step()
-    # none counted against the 8 judged passes; after 8 uninformative ones, one forward call in 8 is checked (the
-    # 9th to 12th are not), two outputs each
-    assert eng._capture.loss.tries == {} and eng.probe_stats["loss_checks"] == 2 * loss_check.SPARSE_AFTER
+    # none counted against the 8 judged passes; after SPARSE_AFTER uninformative ones, one forward call in
+    # SPARSE_EVERY is checked; two outputs each
+    checked = sum(1 for n in range(1, loss_check.MAX_TRIES + 5)
+                  if n <= loss_check.SPARSE_AFTER or n % loss_check.SPARSE_EVERY == 0)
+    assert eng._capture.loss.tries == {} and eng.probe_stats["loss_checks"] == 2 * checked
     refused = []
     for j in range(4 * loss_check.SPARSE_EVERY):  # batches with ignored labels: 3 or 2 labelled samples
         loss(torch.tensor([IGN, 2, IGN, 1]) if j % 3 == 1 else torch.tensor([0, 2, IGN, 1])).backward()
