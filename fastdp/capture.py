@@ -299,14 +299,15 @@ class Capture:
         frame.batch = B = batchdim.infer_batch_size(args, kwargs)
         if len(self.roots) == 1:
             self.owner_layouts.start()  # the size rule, unless the probe knows this call's signature
-        if (self.engine.verify_structure and B is not None and B >= 1 and not self.probe.running
-                and not self.inert and torch.is_grad_enabled() and len(self.roots) == 1 and not self.paused):
-            probe.maybe_probe(self.engine, module, args, kwargs, B)
-        if (self.engine.verify_loss and B is not None and B >= 2 and len(self.roots) == 1 and not self.inert
-                and torch.is_grad_enabled() and not self.paused):
-            sig = probe.signature(args, kwargs, B, module.training)
-            if self.loss.take(sig):
-                frame.loss_sig = sig
+        if (B is None or B < 1 or len(self.roots) != 1 or self.inert or self.paused or self.probe.running
+                or not torch.is_grad_enabled()):
+            return
+        # the input signature, computed once for both checks (the structure probe, the loss check)
+        sig = probe.signature(args, kwargs, B, module.training)
+        if self.engine.verify_structure:
+            probe.maybe_probe(self.engine, module, args, kwargs, B, sig)
+        if self.engine.verify_loss and B >= 2 and self.loss.take(sig):
+            frame.loss_sig = sig
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""

@@ -278,10 +278,13 @@ def _restore_buffers(buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Ten
             b.copy_(saved)
 
 
-def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> None:
-    """Run the probe if this call's signature is new (see the module docstring); raise :class:`StructureError` on
-    a mismatch. Called by the engine's root forward pre-hook."""
-    sig = signature(args, kwargs, B, model.training)
+def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,
+                sig: tuple[Any, ...] | None = None) -> None:
+    """Run the probe if this call's signature ``sig`` (:func:`signature`, computed here if not given) is new (see
+    the module docstring); raise :class:`StructureError` on a mismatch. Called by the engine's root forward
+    pre-hook."""
+    if sig is None:
+        sig = signature(args, kwargs, B, model.training)
     if sig in engine._capture.probe.seen:
         engine._capture.owner_layouts.start(sig)  # the generic owners' layouts learned for this signature
         return
