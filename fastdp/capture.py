@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import capture_generic, deferred, empty_batch, hf_guard, loss_check, probe, session
+from fastdp import capture_generic, deferred, empty_batch, hf_guard, loss_check, loss_trace, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
 from fastdp.layers.base import LayerKind, clipping_precision
@@ -54,6 +54,7 @@ class RootFrame:
     grad_enabled: bool
     batch: int | None = None
     loss_sig: Any = None  # the input signature, when the loss check (fastdp.loss_check) reads this call's outputs
+    trace_sig: Any = None  # the input signature, when the loss trace (fastdp.loss_trace) follows this call's outputs
 
 
 @dataclass
@@ -80,7 +81,7 @@ class ProbeState:
     outside: list[nn.Module] = field(default_factory=list)  # modules whose parameters were used outside them
     stats: dict[str, Any] = field(default_factory=lambda: {"probes": 0, "signatures": 0, "seconds": 0.0,
                                                            "eval_retries": 0, "loss_checks": 0,
-                                                           "loss_verdicts": {}})
+                                                           "loss_verdicts": {}, "loss_traces": {}})
     #: the generic owners' layouts learned by the last probe run (fastdp.layers.layout), kept per signature
     learned: Any = None
     #: the engine pass's outputs (the probe's check that the batch dimension survived its expansions)
@@ -126,6 +127,7 @@ class Capture:
         self.on_arrival = True  # instantiation on arrival (fastdp.norms.instantiate_on_arrival); off: benchmarks
         self.probe = ProbeState()
         self.loss = loss_check.LossCheck()  # the loss check's passes and verdicts per input signature
+        self.trace = loss_trace.LossTrace()  # the loss trace's passes and verdicts per input signature
         #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
         self.owner_layouts = layout.OwnerLayouts()
         self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)
@@ -306,16 +308,19 @@ class Capture:
         sig = probe.signature(args, kwargs, B, module.training)
         if self.engine.verify_structure:
             probe.maybe_probe(self.engine, module, args, kwargs, B, sig)
-        if self.engine.verify_loss and B >= 2 and self.loss.take(sig):
-            frame.loss_sig = sig
+        if self.engine.verify_loss and B >= 2:
+            frame.loss_sig = sig if self.loss.take(sig) else None
+            frame.trace_sig = sig if self.trace.take(sig) and not run_by_torch_compile() else None
 
-    def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""
         if not self.roots:
             return
         frame = self.roots.pop()
         if sys.exc_info()[1] is frame.handled and frame.loss_sig is not None:
             loss_check.arm(self.engine, self.loss, frame.loss_sig, output, frame.batch)
+        if sys.exc_info()[1] is frame.handled and frame.trace_sig is not None:
+            return loss_trace.arm(self.trace, frame.trace_sig, output, frame.batch)  # the output, traced
         if sys.exc_info()[1] is not frame.handled:  # called from Module.__call__'s `except`: the forward raised
             self.drop_forwards({frame.fid}, f"the model's forward call raised {type(sys.exc_info()[1]).__name__}")
             if not self.roots:
@@ -407,6 +412,7 @@ class Capture:
 
     def _on_backward_end(self) -> None:
         self.callback_queued = False
+        self.trace.close()
         done = [r for r in self.pending if r.reached]
         self.pending = [r for r in self.pending if not r.reached]
         cfg: ClipConfig = self.engine.clip_config

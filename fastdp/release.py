@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fastdp import accounting, adaptive, deferred, distributed, loss_check
+from fastdp import accounting, adaptive, deferred, distributed, loss_check, loss_trace
 from fastdp.clip_stats import ClipCounter
 from fastdp.clipped_sums import BackwardResult, nonfinite_step_error
 from fastdp.deferred import DeferredCheck
@@ -142,6 +142,7 @@ class Release:
         a detach), the loss check's passes of the step included."""
         self.summed.clear()
         self.engine._capture.loss.pending.clear()
+        self.engine._capture.trace.pending.clear()
         self.backward_seen = False
         self.step_samples = 0
         self.step_passes = 0
@@ -267,6 +268,8 @@ class Release:
         """This process's checks of the step (raise before anything is released)."""
         eng = self.engine
         loss_error = loss_check.settle(eng, eng._capture.loss)  # the loss check's verdicts on this step's passes
+        trace_error = loss_trace.settle(eng, eng._capture.trace)  # the loss trace's (fastdp.loss_trace)
+        loss_error = trace_error or loss_error
         if loss_error is not None:
             self.discard()
             raise loss_error

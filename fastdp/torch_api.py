@@ -39,6 +39,16 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def torch_function_subclasses_off() -> Any:
+    """A context in which torch functions treat tensor subclasses as plain tensors (no ``__torch_function__``
+    dispatch to them): the loss trace (:mod:`fastdp.loss_trace`) runs each function on its traced arguments so.
+
+    Private (``torch._C``): it is what ``torch.Tensor.__torch_function__`` itself uses; no public API disables the
+    dispatch for subclasses only.
+    """
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def run_by_torch_compile() -> bool:
     """Whether the calling code runs under ``torch.compile``: traced by Dynamo, or run eagerly by Dynamo's fallback
     after a graph break (a frame of ``torch/_dynamo/eval_frame.py`` on the Python stack).

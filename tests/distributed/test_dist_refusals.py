@@ -7,9 +7,10 @@ short timeout, never a silent wrong release.
   0) on any rank, and the next valid step releases exactly the oracle of ITS batch (the refused step's sums were
   discarded everywhere, not folded in).
 * A rank that calls set_noise_multiplier() alone: refused on every rank, naming the noise multiplier.
-* A rank whose loss is a token mean over its batch (fastdp.loss_check): refused on every rank at the step, not by
-  that rank's backward pass alone (which would leave the others waiting in the all-reduce); the next step, with
-  per-sample means everywhere, releases the same gradient on every rank.
+* A rank whose loss is a token mean over its batch (fastdp.loss_check), or couples its samples through in-batch
+  negatives (fastdp.loss_trace): refused on every rank at the step, not by that rank's backward pass alone (which
+  would leave the others waiting in the all-reduce); the next step, with per-sample losses everywhere, releases
+  the same gradient on every rank.
 * Ranks that disagree at construction: a frozen parameter on one rank (the error names it, and not the parameters
   the ranks agree on), a different max_grad_norm; a model wrapped
   in DistributedDataParallel (refused, naming the supported pattern); ``distributed=True`` with no process group.
@@ -37,6 +38,7 @@ from dist_refusal_cases import (
     run_empty_step_misuse,
     run_local_release,
     run_loss_check_refusal,
+    run_loss_trace_refusal,
     run_never_step,
     run_refused_step,
     run_state,
@@ -241,3 +243,17 @@ def test_loss_check_refusal_on_one_rank_refuses_the_step_everywhere():
         assert not v["second"]["raised"], f"rank {r}'s next, valid step raised: {v['second']['msg']}"
         assert v["verdicts"].get("per-sample mean") == 1, v["verdicts"]
     assert_bit_identical([v["grads2"] for v in vals], "loss-check: the step after the refused one")
+
+
+register(2, "loss-trace", lambda: (Case("loss-trace", run_loss_trace_refusal, {"R": 0.5}), None))
+
+
+def test_loss_trace_refusal_on_one_rank_refuses_the_step_everywhere():
+    vals = shared_world(2).values("loss-trace")
+    refused_everywhere([v["first"] for v in vals], "loss-trace", "rank 1", "couples samples")
+    for r, v in enumerate(vals):
+        assert v["after_first"] == {"released": [], "steps": 0}, f"rank {r}: {v['after_first']}"
+        assert not v["second"]["raised"], f"rank {r}'s next, valid step raised: {v['second']['msg']}"
+    assert vals[1]["traces"].get("coupled") == 1 and vals[0]["traces"].get("separable") == 2, [
+        v["traces"] for v in vals]
+    assert_bit_identical([v["grads2"] for v in vals], "loss-trace: the step after the refused one")

@@ -1,0 +1,291 @@
+"""How a tensor computed from the model's outputs depends on the samples: the algebra of the loss trace.
+
+Pure rules, no torch function interception (that is :mod:`fastdp.loss_trace`). A traced tensor carries a
+:class:`Dep`. The engine's clipping is exact only if the loss is ``L = c + Σ_k f_k(Y_k)``: a sum of terms each of
+which depends on one sample's outputs ``Y_k`` (and on constants, which may be that sample's own data). Then
+``dL/dY_k`` depends on sample ``k`` only. The kinds, from the most to the least structured:
+
+* ``ROWS``: along dimension ``dims[0]``, each index depends on one sample, given by the row map ``maps[0]``
+  ``(base, block, offset)``: row ``r`` belongs to sample ``(r + offset) // block`` of the pass ``base`` (a
+  :class:`Book`; the outputs of the model are ``(book, 1, 0)``: row ``k`` is sample ``k``);
+* ``ONE``: the whole tensor depends on one sample ``maps[0]`` ``(base, sample)`` (``Y[3]``, an item of
+  ``for y in Y``);
+* ``PAIRS``: index ``(i, j)`` of dimensions ``dims`` depends on two samples (``Y @ Y.T``, ``Y[:, None] - Y[None]``);
+* ``SEP``: each element is additively separable, ``c + Σ_k f_k(Y_k)`` (a sum or mean over the samples);
+* ``COUPLED``: samples combined in any other way (proven by the operation named in ``why``: a log-sum-exp over the
+  batch, a product of two batch sums, weights computed from other samples).
+
+``grad`` says whether the tensor is on a gradient path from the outputs. A tensor with ``grad=False`` (detached,
+compared, an ``argmax``) is *data*: added to a gradient term it changes nothing (``SEP`` at worst), but as a factor
+of one it is a per-sample weight, which must come from the same sample (``ROWS`` with the same map) or the result is
+``COUPLED``. The rules never decide ``COUPLED`` without a combination of samples that is not a sum: an operation
+they do not know makes the result untraced (and the pass unverified), never coupled.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+ROWS, ONE, PAIRS, SEP, COUPLED = "rows", "one", "pairs", "sep", "coupled"
+
+
+class Book:
+    """One pass of the loss trace: the forward calls whose outputs share sample indices (those a backward pass
+    reaches together), and the operations on their traced tensors that the rules did not know."""
+
+    __slots__ = ("__weakref__", "closed", "state", "unknown")
+
+    def __init__(self) -> None:
+        self.unknown: set[str] = set()
+        self.closed = False  # a backward pass ran through it: the next forward call starts another book
+        self.state: Any = None  # a weak reference to the engine's fastdp.loss_trace.LossTrace
+
+
+@dataclass(frozen=True)
+class Dep:
+    """How a tensor depends on the samples (see the module docstring)."""
+
+    kind: str
+    grad: bool
+    book: Book
+    dims: tuple[int, ...] = ()
+    maps: tuple[Any, ...] = ()
+    why: str = ""
+
+
+def output_dep(book: Book) -> Dep:
+    """A model output ``(B, ...)``: row ``k`` is sample ``k``."""
+    return Dep(ROWS, True, book, (0,), ((book, 1, 0),))
+
+
+def where() -> str:
+    """The caller's place outside torch and fastdp (``file:line``), for the refusal's message."""
+    f = sys._getframe(1)
+    while f is not None:
+        module = str(f.f_globals.get("__name__", ""))
+        if module.split(".")[0] not in ("torch", "fastdp"):
+            return f"{f.f_code.co_filename}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+def coupled(book: Book, grad: bool, why: str, *deps: Dep | None) -> Dep:
+    """A ``COUPLED`` result; an operand that is coupled already keeps its own reason."""
+    for d in deps:
+        if d is not None and d.kind == COUPLED and d.grad == grad:
+            return d
+    if grad:
+        why = f"{why} (at {where()})"
+    return Dep(COUPLED, grad, book, why=why)
+
+
+def one_from_row(m: Any, r: int) -> Any:
+    base, block, offset = m
+    return (base, (r + offset) // block)
+
+
+def shift(d: Dep, dims: tuple[int, ...]) -> Dep:
+    return replace(d, dims=dims)
+
+
+def data(d: Dep) -> Dep:
+    return replace(d, grad=False)
+
+
+def unary(d: Dep, linear: bool, name: str) -> Dep:
+    """An elementwise function of one traced tensor (same shape). Nonlinear functions of a sum over samples
+    couple them."""
+    if d.kind == SEP and not linear:
+        return coupled(d.book, d.grad, f"{name} of a sum over samples", d)
+    return d
+
+
+def _aligned(deps: list[tuple[Dep, int]], ndim: int) -> list[tuple[Dep, tuple[int, ...]]]:
+    """The traced operands of a broadcast elementwise operation, their sample dimensions in the output's."""
+    out = []
+    for d, nd in deps:
+        off = ndim - nd
+        out.append((d, tuple(x + off for x in d.dims)))
+    return out
+
+
+def combine(deps: list[tuple[Dep, int]], ndim: int, additive: bool, name: str) -> Dep:
+    """The result of a broadcast elementwise operation of ``ndim`` dimensions whose traced operands are
+    ``deps`` (each with its own ``ndim``); ``additive``: a sum or difference (a data operand shifts, never
+    weighs). Untraced operands are constants and are not passed."""
+    book = deps[0][0].book
+    grad = any(d.grad for d, _ in deps)
+    al = _aligned(deps, ndim)
+    grads = [(d, dims) for d, dims in al if d.grad]
+    datas = [(d, dims) for d, dims in al if not d.grad]
+    for d, _ in al:
+        if d.kind == COUPLED and (d.grad or not additive):
+            if grad and not d.grad:
+                return coupled(book, grad, f"{name} by a value computed from several samples' outputs ({d.why})")
+            return coupled(book, grad, name, d)
+    if grad and additive:
+        # data operands only shift the gradient terms: keep what the gradient operands are, at worst SEP
+        kept = grads
+        shifted = any(not (d.kind in (ROWS, ONE) and _same_rows(d, dims, grads)) for d, dims in datas)
+    else:
+        kept = al
+        shifted = False
+    res = _join(kept, ndim, additive, name, book, grad)
+    if shifted and res.kind in (ROWS, ONE):
+        return Dep(SEP, grad, book)
+    if shifted and res.kind == PAIRS:
+        return coupled(book, grad, f"{name} of pairs of samples and values of other samples")
+    return res
+
+
+def _same_rows(d: Dep, dims: tuple[int, ...], others: list[tuple[Dep, tuple[int, ...]]]) -> bool:
+    return all(o.kind == d.kind and odims == dims and o.maps == d.maps for o, odims in others)
+
+
+def _join(al: list[tuple[Dep, tuple[int, ...]]], ndim: int, additive: bool, name: str, book: Book,
+          grad: bool) -> Dep:
+    kinds = {d.kind for d, _ in al}
+    if SEP in kinds:
+        if additive and kinds <= {SEP, ROWS, ONE}:
+            return Dep(SEP, grad, book)
+        if len(al) == 1:
+            return al[0][0] if grad == al[0][0].grad else replace(al[0][0], grad=grad)
+        return coupled(book, grad, f"{name} of a sum over samples and another traced value", *[d for d, _ in al])
+    ones = {d.maps[0] for d, _ in al if d.kind == ONE}
+    if ONE in kinds:
+        if kinds == {ONE} and len(ones) == 1:
+            return Dep(ONE, grad, book, (), (next(iter(ones)),))
+        if additive and kinds <= {ONE, ROWS}:
+            return Dep(SEP, grad, book)
+        return coupled(book, grad, f"{name} of values of different samples", *[d for d, _ in al])
+    # ROWS and PAIRS: the sample dimensions (output index -> row map)
+    sample_dims: dict[int, Any] = {}
+    for d, dims in al:
+        for x, m in zip(dims, d.maps, strict=True):
+            if x in sample_dims and sample_dims[x] != m:
+                if additive and kinds == {ROWS}:  # f(Y_r) + g(Y_s): still a sum of one-sample terms
+                    return Dep(SEP, grad, book)
+                return coupled(book, grad, f"{name} of rows of different samples (in another order)",
+                               *[d for d, _ in al])
+            sample_dims[x] = m
+    if len(sample_dims) == 1:
+        (x, m), = sample_dims.items()
+        return Dep(ROWS, grad, book, (x,), (m,))
+    if len(sample_dims) == 2:
+        if additive and kinds == {ROWS}:  # f(Y_i) + g(Y_j) at (i, j): a sum of one-sample terms
+            return Dep(SEP, grad, book)
+        (x1, m1), (x2, m2) = sorted(sample_dims.items())
+        return Dep(PAIRS, grad, book, (x1, x2), (m1, m2))
+    return coupled(book, grad, f"{name} of three or more samples at once", *[d for d, _ in al])
+
+
+def reduce(d: Dep, ndim: int, dims: tuple[int, ...] | None, keepdim: bool, linear: bool, name: str) -> Dep:
+    """A reduction of a tensor of ``ndim`` dimensions over ``dims`` (``None``: all), linear (sum, mean) or not
+    (log-sum-exp, max, norm, variance, ...)."""
+    red = set(range(ndim)) if dims is None else {x % ndim if ndim else 0 for x in dims}
+    if d.kind in (SEP, COUPLED, ONE):
+        return d if (linear or d.kind != SEP) else coupled(d.book, d.grad, f"{name} of a sum over samples", d)
+    hit = [x for x in d.dims if x in red]
+    if not hit:
+        kept = tuple(x if keepdim else x - sum(1 for r in red if r < x) for x in d.dims)
+        return replace(d, dims=kept)
+    if d.kind == ROWS and linear:
+        return Dep(SEP, d.grad, d.book)
+    what = "pairs of samples" if d.kind == PAIRS else "the samples"
+    return coupled(d.book, d.grad, f"{name} over {what} (the batch dimension)", d)
+
+
+def along(d: Dep, ndim: int, dim: int, name: str) -> Dep:
+    """A function along one dimension that keeps the shape (softmax, log-softmax, normalize, sort, cumsum):
+    over a sample dimension it combines samples."""
+    if d.kind in (COUPLED, ONE):
+        return d
+    if d.kind == SEP:
+        return coupled(d.book, d.grad, f"{name} of a sum over samples", d)
+    if dim % ndim in d.dims:
+        return coupled(d.book, d.grad, f"{name} across samples (along the batch dimension)", d)
+    return d
+
+
+def permute(d: Dep, perm: list[int]) -> Dep:
+    """``t.permute(perm)``: output dimension ``i`` is input dimension ``perm[i]``."""
+    if d.kind not in (ROWS, PAIRS):
+        return d
+    inv = {p: i for i, p in enumerate(perm)}
+    return replace(d, dims=tuple(inv[x] for x in d.dims))
+
+
+def reshape(d: Dep, old: tuple[int, ...], new: tuple[int, ...]) -> Dep | None:
+    """``t.reshape(new)`` of a tensor of shape ``old``; ``None`` where the rules cannot follow the rows."""
+    if d.kind in (SEP, COUPLED, ONE):
+        return d
+    if d.kind != ROWS:
+        return None
+    x = d.dims[0]
+    if _prod(old[:x]) != 1:
+        return None
+    base, block, offset = d.maps[0]
+    q = block * _prod(old[x + 1:])  # elements per sample (the first sample's may start at an offset)
+    k = 0
+    while k < len(new) - 1 and new[k] == 1:
+        k += 1
+    if not new:
+        return Dep(ONE, d.grad, d.book, (), (one_from_row(d.maps[0], 0),))
+    s = _prod(new[k + 1:])  # elements per index of new dimension k
+    start = offset * (q // block)  # element e belongs to sample (e + start) // q
+    if s and q % s == 0 and start % s == 0:
+        return Dep(ROWS, d.grad, d.book, (k,), ((base, q // s, start // s),))
+    return None  # a row holding parts of several samples: not followed
+
+
+def _prod(xs: Any) -> int:
+    p = 1
+    for v in xs:
+        p *= int(v)
+    return p
+
+
+def contract(specs: list[tuple[Dep | None, str]], out: str, name: str) -> Dep | None:
+    """An einsum ``ops -> out`` (each operand a string of letters, its dependence or ``None`` for a constant):
+    the sample dimensions follow their letters; a letter of samples summed over gives a sum over samples
+    (``SEP``) when it is the only one, and couples them when other samples remain."""
+    traced = [(d, s) for d, s in specs if d is not None]
+    book = traced[0][0].book
+    grad = any(d.grad for d, _ in traced)
+    for d, _ in traced:
+        if d.kind == COUPLED:
+            return coupled(book, grad, name, d)
+    if any(d.kind == SEP for d, _ in traced):
+        if len(traced) == 1:
+            return traced[0][0]
+        return coupled(book, grad, f"{name} of a sum over samples and another traced value")
+    if grad and any(not d.grad and d.kind not in (ROWS, PAIRS) for d, _ in traced):
+        return coupled(book, grad, f"{name} weighted by values of other samples")
+    ones = {d.maps[0] for d, _ in traced if d.kind == ONE}
+    letters: dict[str, Any] = {}
+    for d, s in traced:
+        if d.kind == ONE:
+            continue
+        for x, m in zip(d.dims, d.maps, strict=True):
+            if letters.get(s[x], m) != m:
+                return coupled(book, grad, f"{name} of rows of different samples", d)
+            letters[s[x]] = m
+    if ones:
+        if letters or len(ones) > 1:
+            return coupled(book, grad, f"{name} of values of different samples")
+        return Dep(ONE, grad, book, (), (next(iter(ones)),))
+    kept = {c: m for c, m in letters.items() if c in out}
+    summed = [c for c in letters if c not in out]
+    if summed:
+        if len(letters) == 1:
+            return Dep(SEP, grad, book)
+        return coupled(book, grad, f"{name} summing over the samples of one operand against another's")
+    if len(kept) == 1:
+        (c, m), = kept.items()
+        return Dep(ROWS, grad, book, (out.index(c),), (m,))
+    if len(kept) == 2:
+        (c1, m1), (c2, m2) = sorted(kept.items(), key=lambda cm: out.index(cm[0]))
+        return Dep(PAIRS, grad, book, (out.index(c1), out.index(c2)), (m1, m2))
+    return None

@@ -1,0 +1,313 @@
+"""The loss trace: follow the model's outputs through the loss, and refuse a loss that couples samples.
+
+The engine clips each sample's gradient. That is exact only if the loss it backpropagates is a sum of terms each of
+which depends on one sample: ``L = c + Σ_k f_k(Y_k)`` (``Y_k``: sample ``k``'s outputs; ``c`` and ``f_k`` may use
+constants and that sample's own data). A loss that couples samples -- in-batch negatives and contrastive losses
+(``Y @ Y.T`` then a cross-entropy over the batch), a log-sum-exp or a softmax over the batch dimension, a loss
+divided by a batch statistic of the outputs, per-sample weights computed from other samples' outputs (a batch-mean
+baseline, hard-example mining over the batch) -- makes every sample's gradient depend on the others: per-sample
+clipping no longer bounds what one sample changes, and the privacy guarantee fails. The engine never sees the
+loss, so on the first passes of each input signature it *traces* it.
+
+**How.** After a forward call of the model (the root's, with autograd on and ``B >= 2``), each floating output
+``(B, ...)`` that requires grad is returned as a :class:`Traced` tensor: the same values and autograd graph (an
+alias, ``Tensor.as_subclass``), plus a :class:`fastdp.loss_deps.Dep` -- row ``k`` depends on sample ``k``. Every
+torch function that receives a traced tensor (``__torch_function__``: operators, methods, ``torch.*``,
+``torch.nn.functional.*``) runs unchanged, and its result gets the ``Dep`` that the function's rule
+(:mod:`fastdp.loss_trace_rules`) derives; a function without a rule returns an untraced result and makes the pass
+*unverified*. When ``backward`` is called on a traced tensor (``loss.backward()``, ``torch.autograd.backward``,
+``scaler.scale(loss).backward()``), its ``Dep`` is the pass's verdict: ``separable`` (a sum of per-sample terms),
+``coupled`` (refused) or ``unverified``. Forward calls between two backward passes share sample indices (the engine
+merges their records by index), so their outputs share one :class:`fastdp.loss_deps.Book`; a tensor kept from an
+earlier pass (a memory bank, a queue of earlier outputs) belongs to another book, and combining it with this pass's
+rows couples samples too.
+
+**The refusal** is a :class:`fastdp.probe.StructureError` from ``optimizer.step()`` before anything is released
+(the step's sums are discarded; on several ranks every rank raises), naming the operation that coupled samples and
+the line of the user's code that called it. A refusal starts the signature's count again.
+
+**Budget.** ``TRACE_PASSES`` judged passes per input signature (:func:`fastdp.probe.signature`), and at most
+``MAX_ARMS`` forward calls traced per signature (forward calls without a backward pass). The cost is Python's: one
+``__torch_function__`` call per torch function on a traced tensor, in the traced passes only.
+
+**What it does not see.** Anything the rules do not know (the pass is then ``unverified``: logged, not refused):
+functions without a rule, in-place writes into untraced tensors, ``out=``, custom autograd functions, code run under
+``torch.compile`` (a compiled loss is not traced), numpy. A loss computed inside the model's forward (Hugging Face
+models called with ``labels=``) is not traced: it never leaves the model as an output. Data that is not a model
+output is a constant to the trace: a divisor counted from the labels (a token mean) is the loss check's
+(:mod:`fastdp.loss_check`); a per-sample weight from the batch's labels is neither's. Elementwise rules assume
+broadcasting aligns trailing dimensions; a traced tensor fed back into the model is untraced there.
+
+It may touch: the model's outputs (returned as aliases of the same tensors) and its own state.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fastdp import torch_api
+from fastdp.loss_deps import COUPLED, PAIRS, Book, Dep, output_dep
+from fastdp.loss_trace_rules import CONST, RULES
+from fastdp.probe import StructureError
+
+logger = logging.getLogger(__name__)
+
+TRACE_PASSES = 2  # judged backward passes per input signature (a refusal starts the count again)
+MAX_ARMS = 64  # forward calls traced per input signature (a backward pass may not follow)
+_DEPTH = 4  # nesting of tuples, lists and dicts searched for outputs
+#: functions whose result is never traced (queries, hooks, the gradient)
+_PASS = frozenset({"__repr__", "__format__", "__str__", "numpy", "tolist", "item", "__bool__", "__len__", "__hash__",
+                   "register_hook", "retain_grad", "grad", "grad_fn", "is_leaf", "requires_grad", "shape", "dtype",
+                   "device", "_version", "__reduce_ex__", "__setstate__", "__getstate__", "data_ptr", "storage",
+                   "untyped_storage", "element_size", "stride", "storage_offset", "is_contiguous", "__dlpack__",
+                   "__array__", "__iter__", "__deepcopy__", "_base", "layout", "names"})
+
+
+class Traced(torch.Tensor):
+    """A model output, or a tensor computed from one, while the loss trace follows it: a torch function on it runs
+    unchanged and its result is traced by the function's rule (:mod:`fastdp.loss_trace_rules`)."""
+
+    _fdp_dep: Dep
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name == "backward":
+            _on_backward(args, kwargs)
+        with torch_api.torch_function_subclasses_off():
+            res = func(*args, **kwargs)
+        if name in _PASS or name == "backward" or not _has_tensor(res) or torch.compiler.is_compiling():
+            return _plain(res, args)
+        return _follow(name, args, kwargs, res)
+
+
+def dep_of(x: Any) -> Dep | None:
+    """The trace's ``Dep`` of ``x``: ``None`` for an untraced value."""
+    return getattr(x, "_fdp_dep", None) if isinstance(x, Traced) else None
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property getter (t.T, t.data)
+        return getattr(getattr(func, "__self__", None), "__name__", "")
+    return name
+
+
+def _has_tensor(res: Any) -> bool:
+    return isinstance(res, torch.Tensor) or (isinstance(res, (tuple, list)) and any(
+        isinstance(r, torch.Tensor) for r in res))
+
+
+def _books(args: Any, kwargs: dict[str, Any]) -> list[Book]:
+    found = []
+    for a in list(args) + list(kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            d = dep_of(x)
+            if d is not None and d.book not in found:
+                found.append(d.book)
+    return found
+
+
+def _plain(res: Any, args: tuple[Any, ...]) -> Any:
+    """``res`` without the trace (an in-place result that is a traced argument keeps its type and its ``Dep``)."""
+    if isinstance(res, Traced) and not any(res is a for a in args):
+        return res.as_subclass(torch.Tensor)
+    if isinstance(res, (tuple, list)) and any(isinstance(r, Traced) for r in res):
+        return _rebuild(res, [_plain(r, args) for r in res])
+    return res
+
+
+def _rebuild(res: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
+    """A tuple, named tuple, torch return type or list like ``res`` holding ``items``."""
+    if isinstance(res, list):
+        return items
+    if hasattr(res, "_fields"):  # a named tuple
+        return type(res)(*items)
+    return type(res)(items)  # a tuple, or a torch.return_types structseq
+
+
+def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) -> Any:
+    rule = RULES.get(name)
+    deps = None
+    if rule is not None and kwargs.get("out") is None:
+        try:
+            deps = rule(name, args, kwargs, res, dep_of)
+        except Exception as e:  # a rule that cannot read these arguments: unverified, never an error of the loss
+            logger.debug("loss trace: the rule of %s raised %r", name, e)
+            deps = None
+    if deps is CONST:
+        return _plain(res, args)
+    if deps is None:
+        for book in _books(args, kwargs):
+            book.unknown.add(name)
+        inplace = next((a for a in args if a is res and isinstance(a, Traced)), None)
+        if inplace is not None:  # written in place by something the rules cannot follow
+            for book in _books((inplace,), {}):
+                book.unknown.add(name)
+        return _plain(res, args)
+    if isinstance(res, torch.Tensor):
+        if isinstance(deps, tuple):
+            return _plain(res, args)
+        return _wrap(res, deps, args)
+    if not isinstance(deps, tuple):
+        deps = tuple(deps for _ in res)
+    if len(deps) != len(res):
+        return _plain(res, args)
+    items = [_wrap(r, d, args) if isinstance(r, torch.Tensor) and isinstance(d, Dep) else r
+             for r, d in zip(res, deps, strict=True)]
+    return _rebuild(res, items)
+
+
+def _wrap(t: torch.Tensor, dep: Dep, args: tuple[Any, ...] = ()) -> torch.Tensor:
+    if any(t is a for a in args) and not isinstance(t, Traced):
+        return t  # an untraced tensor written in place with traced values
+    out = t if isinstance(t, Traced) else t.as_subclass(Traced)
+    out._fdp_dep = dep
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- state and budget
+@dataclass
+class LossTrace:
+    """The loss trace's state in one engine: per input signature, the passes judged (``passes``) and the forward
+    calls traced (``arms``); the book of the forward calls since the last backward pass (``book``) and its
+    signatures; the backward passes of the step in progress (``pending``: the loss's ``Dep``, its book, the
+    signatures)."""
+
+    passes: dict[Any, int] = field(default_factory=dict)
+    arms: dict[Any, int] = field(default_factory=dict)
+    book: Book | None = None
+    sigs: dict[int, set[Any]] = field(default_factory=dict)  # id(book) -> signatures of its forward calls
+    pending: list[tuple[Dep | None, Book, frozenset[Any]]] = field(default_factory=list)
+
+    def take(self, sig: Any) -> bool:
+        """Whether to trace this forward call of signature ``sig`` (counted)."""
+        if self.passes.get(sig, 0) >= TRACE_PASSES or self.arms.get(sig, 0) >= MAX_ARMS:
+            return False
+        self.arms[sig] = self.arms.get(sig, 0) + 1
+        return True
+
+    def close(self) -> None:
+        """End of a backward pass: the next forward call starts a new book (other samples). A book whose outputs
+        were traced but whose backward pass started from an untraced tensor (the trace lost the loss) is judged
+        unverified."""
+        book, self.book = self.book, None
+        if book is not None and not book.closed and id(book) in self.sigs:
+            book.closed = True
+            book.unknown.add("backward from an untraced tensor")
+            self.pending.append((None, book, frozenset(self.sigs.pop(id(book)))))
+
+
+def _outputs(out: Any, B: int, book: Book, depth: int = 0) -> tuple[Any, int]:
+    """``out`` with its floating outputs ``(B, ...)`` that require grad returned as traced aliases; and how many."""
+    if isinstance(out, torch.Tensor):
+        if (not isinstance(out, Traced) and out.is_floating_point() and out.requires_grad and out.dim() >= 1
+                and out.shape[0] == B):
+            return _wrap(out, output_dep(book)), 1
+        return out, 0
+    if depth >= _DEPTH:
+        return out, 0
+    if isinstance(out, Mapping):
+        n = 0
+        try:
+            for k in list(out.keys()):
+                v, m = _outputs(out[k], B, book, depth + 1)
+                if m:
+                    out[k] = v  # dicts and Hugging Face ModelOutputs (their attribute too)
+                    n += m
+        except TypeError:  # a read-only mapping: left untraced
+            return out, n
+        return out, n
+    if isinstance(out, (tuple, list)):
+        items, n = [], 0
+        for v in out:
+            v, m = _outputs(v, B, book, depth + 1)
+            items.append(v)
+            n += m
+        if not n:
+            return out, 0
+        if isinstance(out, list):
+            out[:] = items
+            return out, n
+        return _rebuild(out, items), n
+    return out, 0
+
+
+def arm(state: LossTrace, sig: Any, output: Any, B: int) -> Any:
+    """After a traced forward call of the model with signature ``sig`` and batch ``B``: its output, with the
+    tensors the loss may be computed from returned as traced aliases."""
+    if state.book is None or state.book.closed:
+        state.book = Book()
+        state.book.state = weakref.ref(state)
+    book = state.book
+    out, n = _outputs(output, B, book)
+    if n:
+        state.sigs.setdefault(id(book), set()).add(sig)
+    return out
+
+
+def _on_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``backward`` called on traced tensors: each one's ``Dep`` is its pass's verdict."""
+    roots = args[0] if args else kwargs.get("tensors")
+    for t in roots if isinstance(roots, (list, tuple)) else (roots,):
+        d = dep_of(t)
+        if d is None:
+            continue
+        state = d.book.state() if getattr(d.book, "state", None) is not None else None
+        if state is None:
+            continue
+        d.book.closed = True
+        state.pending.append((d, d.book, frozenset(state.sigs.pop(id(d.book), ()))))
+
+
+def verdict(d: Dep | None, book: Book) -> str:
+    """``"coupled"``, ``"separable"`` or ``"unverified"`` (an operation on a traced tensor had no rule, or the
+    backward pass did not start from a traced tensor: ``d`` is ``None``)."""
+    if d is not None and d.kind in (COUPLED, PAIRS) and d.grad:
+        return "coupled"
+    return "unverified" if book.unknown else "separable"
+
+
+def settle(engine: Any, state: LossTrace) -> StructureError | None:
+    """Judge the traced backward passes of the step (called when the step is released, before anything is):
+    count the verdicts, end the trace of the signatures that have ``TRACE_PASSES``, and return the refusal of a
+    coupled loss."""
+    pending, state.pending = state.pending, []
+    error = None
+    stats = engine.probe_stats.setdefault("loss_traces", {})
+    for d, book, sigs in pending:
+        v = verdict(d, book)
+        stats[v] = stats.get(v, 0) + 1
+        for sig in sigs:
+            state.passes[sig] = 0 if v == "coupled" else state.passes.get(sig, 0) + 1
+            if v == "coupled":
+                state.arms[sig] = 0
+        if v == "coupled" and error is None and d is not None:
+            error = StructureError(_message(engine, d))
+        elif v == "unverified":
+            logger.info("loss trace: the loss was not verified to be a sum of per-sample terms: the trace does not "
+                        "follow %s", ", ".join(sorted(book.unknown)))
+        else:
+            logger.debug("loss trace: %s", v)
+    return error
+
+
+def _message(engine: Any, d: Dep) -> str:
+    why = d.why or ("pairs of samples reach the loss" if d.kind == PAIRS else "samples combined")
+    return (f"the loss couples samples: {why}. The engine clips each sample's gradient, which bounds what one sample "
+            "changes only if the loss is a sum (or mean) of terms that each depend on one sample; here a sample's "
+            "gradient depends on the other samples' outputs, so removing one sample changes every other sample's "
+            "contribution and the privacy guarantee fails. Nothing was released. Typical causes: in-batch "
+            "negatives or a contrastive loss over the batch (logits = a @ b.T with a cross-entropy across samples), "
+            "a softmax or log-sum-exp over the batch dimension, dividing by a statistic of the batch's outputs, "
+            "weights or a baseline computed from other samples (a batch mean). Compute the loss of each sample from "
+            "that sample alone (negatives from public data or from within the sample), or use a method built for "
+            "such losses. This check (verify_loss=True; docs/reference/losses.md) traces the loss's torch "
+            "operations from the model's outputs; if it is wrong here, pass verify_loss=False.")
