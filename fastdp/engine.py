@@ -127,7 +127,11 @@ class PrivacyEngine:
             label row of the model's logits (from their gradient, :mod:`fastdp.loss_check`), and refuse a token
             mean over the whole batch at ``optimizer.step()``, before anything is released
             (:class:`fastdp.probe.StructureError`). Only a softmax cross-entropy of a model output is read; verdicts
-            are counted in ``probe_stats["loss_verdicts"]``.
+            are counted in ``probe_stats["loss_verdicts"]``. On the first two backward passes of each input
+            signature it also *traces* the loss (:mod:`fastdp.loss_trace`: the model's outputs are returned as
+            aliases whose torch operations are followed) and refuses a loss that couples samples (in-batch
+            negatives, a softmax or log-sum-exp over the batch, weights or divisors computed from other samples'
+            outputs); verdicts in ``probe_stats["loss_traces"]``.
         distributed: ``None`` (default): data-parallel over ``torch.distributed``'s default group when it is
             initialised (every rank builds the engine with the same arguments; ``batch_size`` and ``sample_size``
             are global; each rank runs forward and backward on its part of the batch; the clipped sums are

@@ -50,13 +50,14 @@ ever read as a cross-entropy, one warning per engine says its loss was not verif
 returned (a temperature or label smoothing make the rows "not recognised"; slicing keeps the form), a divisor that
 depends on the batch in another way (e.g. the padded length, the batch's sum of class weights), and losses that
 couple samples through the outputs (in-batch negatives, contrastive losses): their gradient has no per-row form to
-read. ``fastdp.losses.check_per_sample_loss`` checks any loss function, when called. After ``SPARSE_AFTER`` fully
-labelled passes only one forward call in ``SPARSE_EVERY`` is checked: a token mean whose first padded batch comes
-later is refused at the next checked call, up to ``SPARSE_EVERY - 1`` steps later. A token mean times a constant
-other than 1, and a mean over the labelled samples of one-label rows (a classifier with ignored labels), are refused
-only from the first pass that another pass with another label count contradicts: the steps before are released with
-their wrong per-sample weights. A per-sample token sum divided by a constant that happens to give every label row
-the weight ``1/N`` in the first pass of a signature is refused (a false refusal: ``verify_loss=False``).
+read (the loss trace, :mod:`fastdp.loss_trace`, refuses those). ``fastdp.losses.check_per_sample_loss`` checks any
+loss function, when called. After ``SPARSE_AFTER`` fully labelled passes only one forward call in ``SPARSE_EVERY``
+is checked: a token mean whose first padded batch comes later is refused at the next checked call, up to
+``SPARSE_EVERY - 1`` steps later. A token mean times a constant other than 1, and a mean over the labelled samples
+of one-label rows (a classifier with ignored labels), are refused only from the first pass that another pass with
+another label count contradicts: the steps before are released with their wrong per-sample weights. A per-sample
+token sum divided by a constant that happens to give every label row the weight ``1/N`` in the first pass of a
+signature is refused (a false refusal: ``verify_loss=False``).
 
 Cost, per checked pass: one read of the logits at the forward (log-sum-exp and top-3, in row chunks of at most
 ``CHUNK`` elements) and one of their gradient in the backward pass, both on the device without a host read; the

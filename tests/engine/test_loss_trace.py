@@ -101,9 +101,9 @@ SEPARABLE = {
     "knowledge distillation": lambda o: F.kl_div(F.log_softmax(o / 2, -1), F.softmax(TEACHER / 2, -1),
                                                  reduction="batchmean"),
     "focal (own detached weight)": lambda o: ((1 - o.softmax(-1).detach()) ** 2 * -o.log_softmax(-1)).sum(),
-    "per-sample python loop": lambda o: sum(F.cross_entropy(s, y.clamp(min=0)) for s, y in zip(o, Y_TOK)),
+    "per-sample python loop": lambda o: sum(F.cross_entropy(s, y.clamp(min=0)) for s, y in zip(o, Y_TOK, strict=True)),
     "stacked per-sample losses": lambda o: torch.stack([F.cross_entropy(s, y.clamp(min=0))
-                                                         for s, y in zip(o, Y_TOK)]).mean(),
+                                                         for s, y in zip(o, Y_TOK, strict=True)]).mean(),
     "loss scaled by a tensor": lambda o: o.sum() * torch.tensor(1024.0, dtype=torch.float64),
     "einsum within samples": lambda o: torch.einsum("btv,btv->b", o, o).mean(),
     "normalised pooled embedding": lambda o: (_pool(o) ** 2).sum() + _pool(o).exp().sum(),
@@ -196,7 +196,7 @@ def _step(op: str, x: torch.Tensor) -> torch.Tensor:
     if op == "scale_by_batch_norm":
         return x / x.detach().norm()
     if op == "mean_last":
-        return x.mean(-1, keepdim=True) * torch.ones_like(x)
+        return x + x.mean(-1, keepdim=True) * torch.ones_like(x)
     if op == "transpose_back":
         return x.transpose(0, -1).contiguous().transpose(0, -1)
     if op == "flatten_back":

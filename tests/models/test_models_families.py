@@ -456,6 +456,36 @@ def test_clip_in_batch_similarity_logits_are_refused():
         (F.cross_entropy(logits, lab) + F.cross_entropy(logits.t(), lab)).backward()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_clip_contrastive_loss_on_the_embeddings_is_refused_by_the_loss_trace():
+    """The in-batch contrastive loss written by the user on the model's per-sample embeddings (the towers called
+    as ClipPair calls them): the structure probe passes (each embedding is its sample's), and the loss trace
+    (fastdp.loss_trace) refuses the step."""
+    torch.manual_seed(0)
+    model = ClipEmbeds(clip().to(D))
+    (x, _), = clip_batches([3], 1)
+    engine = make_engine(model, batch_size=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    img, txt = model(*x)
+    img, txt = F.normalize(img, dim=-1), F.normalize(txt, dim=-1)
+    lab = torch.arange(3)
+    logits = img @ txt.t() / 0.07
+    (F.cross_entropy(logits, lab) + F.cross_entropy(logits.t(), lab)).backward()
+    with pytest.raises(fastdp.StructureError, match="the loss couples samples: cross_entropy across samples"):
+        opt.step()
+    assert all(p.grad is None for p in model.parameters()) and engine.steps == 0
+
+
+class ClipEmbeds(ClipPair):
+    """CLIP, both towers: the per-sample image and text embeddings ``(B, d)`` each, for a loss written outside."""
+
+    def forward(self, pixel_values, input_ids, attention_mask):
+        img = self.m.get_image_features(pixel_values=pixel_values)
+        txt = self.m.get_text_features(input_ids=input_ids, attention_mask=attention_mask)
+        return getattr(img, "pooler_output", img), getattr(txt, "pooler_output", txt)
+
+
 def _release_sum(base, x, R):
     model = ClipFull(copy.deepcopy(base), "loss")
     engine = make_engine(model, batch_size=1, R=R)  # batch_size 1: the release is the clipped sum itself
