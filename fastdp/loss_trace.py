@@ -75,6 +75,14 @@ class Traced(torch.Tensor):
 
     _fdp_dep: Dep
 
+    def __reduce_ex__(self, proto: Any) -> Any:  # torch.save, pickle: saved as the plain tensor it aliases
+        with torch_api.torch_function_subclasses_off():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # copy.deepcopy: a plain tensor
+        with torch_api.torch_function_subclasses_off():
+            return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -155,6 +163,11 @@ def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) 
     if isinstance(res, torch.Tensor):
         if isinstance(deps, tuple):
             return _plain(res, args)
+        if isinstance(res, Traced) and any(res is a for a in args):
+            if not _in_place(name):
+                return res  # an argument returned as is (x.contiguous(), x.to(its dtype)): nothing changed
+            if _stale_views(res, deps):
+                deps.book.unknown.add(f"{name} (in place)")
         return _wrap(res, deps, args)
     if not isinstance(deps, tuple):
         deps = tuple(deps for _ in res)
@@ -163,6 +176,18 @@ def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) 
     items = [_wrap(r, d, args) if isinstance(r, torch.Tensor) and isinstance(d, Dep) else r
              for r, d in zip(res, deps, strict=True)]
     return _rebuild(res, items)
+
+
+def _in_place(name: str) -> bool:
+    return (name.endswith("_") and not name.startswith("__")) or name in {"__iadd__", "__isub__", "__imul__",
+                                                                          "__itruediv__", "__setitem__"}
+
+
+def _stale_views(t: Traced, new: Dep) -> bool:
+    """Whether an in-place write into traced ``t`` may leave other tensors' ``Dep`` wrong: ``t`` is a view (its base
+    changed too: ``x[0] += x[1]``), or its dependence changed (views of ``t`` taken before keep the old one)."""
+    old = dep_of(t)
+    return t._is_view() or old is None or (old.kind, old.dims, old.maps) != (new.kind, new.dims, new.maps)
 
 
 def _wrap(t: torch.Tensor, dep: Dep, args: tuple[Any, ...] = ()) -> torch.Tensor:

@@ -20,7 +20,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -34,7 +34,7 @@ B, T, V = 5, 4, 6
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
-def couples(fn, ys: list[torch.Tensor]) -> bool:
+def couples(fn, ys: list[torch.Tensor]) -> bool | None:
     """Whether ``fn(*ys)`` couples samples: replacing row ``j`` of every output (each ``j``, once shifted up and
     once down, so that a maximum or a ranking over the batch moves) changes another row's gradient."""
     ys = [y.detach().double().requires_grad_() for y in ys]
@@ -50,6 +50,8 @@ def couples(fn, ys: list[torch.Tensor]) -> bool:
         for a, b in zip(g0, g1, strict=True):
             if a is None or b is None:
                 continue
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                return None  # overflow: no answer
             keep = [i for i in range(a.shape[0]) if i != j]
             scale = max(a.abs().max().item(), b.abs().max().item(), 1e-300)  # tiny gradients count too
             if not torch.allclose(a[keep], b[keep], rtol=1e-9, atol=1e-12 * scale):
@@ -146,7 +148,7 @@ COUPLED_TWO = {
 def test_separable_losses_pass_and_the_oracle_agrees(name):
     fn = SEPARABLE[name]
     ys = outputs()
-    assert not couples(fn, ys), f"oracle: {name} couples samples (the table is wrong)"
+    assert couples(fn, ys) is False, f"oracle: {name} couples samples (the table is wrong)"
     assert traced_verdict(fn, ys) == "separable"
 
 
@@ -154,7 +156,7 @@ def test_separable_losses_pass_and_the_oracle_agrees(name):
 def test_separable_losses_of_two_forward_calls(name):
     fn = SEPARABLE_TWO[name]
     ys = outputs(2)
-    assert not couples(fn, ys)
+    assert couples(fn, ys) is False
     assert traced_verdict(fn, ys) == "separable"
 
 
@@ -239,8 +241,9 @@ def test_random_loss_programs_match_the_oracle(ops, final, seed):
         return ((x * WEIGHTS).sum((1, 2)) ** 2).sum()
 
     ys = outputs(seed=seed)
-    v = traced_verdict(fn, ys)
     truth = couples(fn, ys)
+    assume(truth is not None)  # a composition that overflows (exp of exp)
+    v = traced_verdict(fn, ys)
     assert v != "coupled" or truth, f"false refusal: {ops} {final}"
     assert v != "separable" or not truth, f"missed coupling: {ops} {final}"
 
@@ -368,3 +371,25 @@ def test_hf_model_output_is_traced():
     F.cross_entropy(h @ h.T, torch.arange(4)).backward()
     with pytest.raises(StructureError, match="couples samples"):
         opt.step()
+
+
+def test_in_place_writes_that_mix_rows_are_not_verified():
+    """``x[0] += x[1]`` writes through a view: the base's rows are no longer one sample each. The trace cannot
+    follow it, so the pass is unverified (not separable), and the oracle says it couples."""
+    fn = lambda o: (lambda x: (x.__getitem__(0).__iadd__(x[1]), x.tanh().sum())[1])(o.clone())  # noqa: E731
+    ys = outputs()
+    assert couples(fn, ys)
+    assert traced_verdict(fn, ys) == "unverified"
+
+
+def test_traced_outputs_save_and_copy_as_plain_tensors(tmp_path):
+    import copy
+    import pickle
+
+    book = Book()
+    t = loss_trace._wrap(torch.randn(3, 4), output_dep(book))
+    torch.save({"logits": t, "detached": t.detach()}, tmp_path / "out.pt")
+    back = torch.load(tmp_path / "out.pt")
+    assert type(back["logits"]) is torch.Tensor and torch.equal(back["logits"], t.as_subclass(torch.Tensor))
+    assert type(pickle.loads(pickle.dumps(t))) is torch.Tensor
+    assert type(copy.deepcopy(t)) is torch.Tensor
