@@ -545,11 +545,12 @@ def test_norm_ops_ab_times_both_forms_and_restores_the_threshold(capsys, tmp_pat
 
 
 def test_loss_check_cost_runs_and_the_check_reads_the_loss(capsys, tmp_path):
-    """``benchmarks/loss_check_cost.py``: the check it times recognises the per-sample mean it is given (no timing
-    is asserted)."""
+    """``benchmarks/loss_check_cost.py``: the check it times recognises the per-sample mean it is given, and the
+    trace finds it separable (no timing is asserted)."""
     import loss_check_cost
 
     loss_check_cost.main(["--shapes", "3,8,13", "--reps", "1", "--json", str(tmp_path / "c.json")])
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [r["verdict"] for r in rows] == ["per-sample mean"] and rows[0]["check_ms"] > 0
+    assert [r["trace_verdict"] for r in rows] == ["separable"] and rows[0]["traced_ms"] > 0
     assert "| 3 x 8 | 13 |" in capsys.readouterr().out
