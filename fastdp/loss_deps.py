@@ -82,8 +82,29 @@ def coupled(book: Book, grad: bool, why: str, *deps: Dep | None) -> Dep:
 
 
 def one_from_row(m: Any, r: int) -> Any:
+    """The sample ``(base, index)`` of row ``r`` of rows with map ``m``."""
+    base, block, offset = narrow_map(m, r, 1)
+    return (base, offset // block)
+
+
+def narrow_map(m: Any, start: int, length: int) -> Any:
+    """The row map of rows ``start .. start + length`` of rows with map ``m``. Rows of a concatenation along the
+    batch (``("cat", ((map, rows), ...))``) that lie within one of its parts have that part's map: ``torch.cat([a,
+    b]).chunk(2)`` gives back ``a``'s rows and ``b``'s."""
     base, block, offset = m
-    return (base, (r + offset) // block)
+    if isinstance(base, tuple) and base and base[0] == "cat" and block == 1:
+        pos, s = 0, offset + start
+        for part, n in base[1]:
+            if pos <= s and s + length <= pos + n:
+                return narrow_map(part, s - pos, length)
+            pos += n
+    return (base, block, offset + start)
+
+
+def selected(m: Any, *key: Any) -> Any:
+    """The row map of rows selected from rows with map ``m`` by an index described by ``key`` (its kind and
+    content): each row is one sample's, and the same selection gives the same map."""
+    return (("select", m, *key), 1, 0)
 
 
 def shift(d: Dep, dims: tuple[int, ...]) -> Dep:
@@ -102,22 +123,30 @@ def unary(d: Dep, linear: bool, name: str) -> Dep:
     return d
 
 
-def _aligned(deps: list[tuple[Dep, int]], ndim: int) -> list[tuple[Dep, tuple[int, ...]]]:
-    """The traced operands of a broadcast elementwise operation, their sample dimensions in the output's."""
-    out = []
-    for d, nd in deps:
-        off = ndim - nd
-        out.append((d, tuple(x + off for x in d.dims)))
-    return out
+def _aligned(deps: list[tuple[Dep, tuple[int, ...]]], out: tuple[int, ...]) -> list[tuple[Dep, tuple[int, ...]]]:
+    """The traced operands of a broadcast elementwise operation, their sample dimensions in the output's. An
+    operand whose sample dimension has size 1 where the output's does not is one sample's value broadcast to
+    every row (``x[:1] - x``): ``ONE`` (rows) or coupled (pairs)."""
+    res = []
+    for d, shape in deps:
+        off = len(out) - len(shape)
+        if d.kind in (ROWS, PAIRS) and any(shape[x] == 1 and out[x + off] != 1 for x in d.dims):
+            if d.kind == PAIRS:
+                d = coupled(d.book, d.grad, "one sample's pairs broadcast against the batch")
+            else:
+                d = Dep(ONE, d.grad, d.book, (), (one_from_row(d.maps[0], 0),))
+        res.append((d, tuple(x + off for x in d.dims)))
+    return res
 
 
-def combine(deps: list[tuple[Dep, int]], ndim: int, additive: bool, name: str) -> Dep:
-    """The result of a broadcast elementwise operation of ``ndim`` dimensions whose traced operands are
-    ``deps`` (each with its own ``ndim``); ``additive``: a sum or difference (a data operand shifts, never
-    weighs). Untraced operands are constants and are not passed."""
+def combine(deps: list[tuple[Dep, tuple[int, ...]]], out: tuple[int, ...], additive: bool, name: str) -> Dep:
+    """The result, of shape ``out``, of a broadcast elementwise operation whose traced operands are ``deps`` (each
+    with its own shape); ``additive``: a sum or difference (a data operand shifts, never weighs). Untraced operands
+    are constants and are not passed."""
     book = deps[0][0].book
     grad = any(d.grad for d, _ in deps)
-    al = _aligned(deps, ndim)
+    al = _aligned(deps, out)
+    ndim = len(out)
     grads = [(d, dims) for d, dims in al if d.grad]
     datas = [(d, dims) for d, dims in al if not d.grad]
     for d, _ in al:
@@ -247,10 +276,18 @@ def _prod(xs: Any) -> int:
     return p
 
 
-def contract(specs: list[tuple[Dep | None, str]], out: str, name: str) -> Dep | None:
-    """An einsum ``ops -> out`` (each operand a string of letters, its dependence or ``None`` for a constant):
-    the sample dimensions follow their letters; a letter of samples summed over gives a sum over samples
-    (``SEP``) when it is the only one, and couples them when other samples remain."""
+def contract(specs: list[tuple[Dep | None, str]], out: str, name: str,
+             shapes: list[tuple[int, ...]] | None = None) -> Dep | None:
+    """An einsum ``ops -> out`` (each operand a string of letters, its dependence or ``None`` for a constant, and
+    optionally its shape): the sample dimensions follow their letters; a letter of samples summed over gives a sum
+    over samples (``SEP``) when it is the only one, and couples them when other samples remain. A sample dimension
+    of size 1 broadcast against a larger one (a batched product's leading dimension) is one sample's value."""
+    if shapes is not None:
+        size: dict[str, int] = {}
+        for (_, s), shape in zip(specs, shapes, strict=True):
+            for c, n in zip(s, shape, strict=True):
+                size[c] = max(size.get(c, 1), int(n))
+        specs = [(_broadcast_one(d, s, shape, size), s) for (d, s), shape in zip(specs, shapes, strict=True)]
     traced = [(d, s) for d, s in specs if d is not None]
     book = traced[0][0].book
     grad = any(d.grad for d, _ in traced)
@@ -289,3 +326,11 @@ def contract(specs: list[tuple[Dep | None, str]], out: str, name: str) -> Dep | 
         (c1, m1), (c2, m2) = sorted(kept.items(), key=lambda cm: out.index(cm[0]))
         return Dep(PAIRS, grad, book, (out.index(c1), out.index(c2)), (m1, m2))
     return None
+
+
+def _broadcast_one(d: Dep | None, s: str, shape: tuple[int, ...], size: dict[str, int]) -> Dep | None:
+    if d is None or d.kind not in (ROWS, PAIRS) or not any(shape[x] == 1 and size[s[x]] > 1 for x in d.dims):
+        return d
+    if d.kind == PAIRS:
+        return coupled(d.book, d.grad, "one sample's pairs broadcast against the batch")
+    return Dep(ONE, d.grad, d.book, (), (one_from_row(d.maps[0], 0),))

@@ -52,8 +52,8 @@ from typing import Any
 import torch
 
 from fastdp import torch_api
-from fastdp.loss_deps import COUPLED, PAIRS, Book, Dep, output_dep
-from fastdp.loss_trace_rules import CONST, RULES
+from fastdp.loss_deps import COUPLED, ONE, PAIRS, ROWS, Book, Dep, output_dep
+from fastdp.loss_trace_rules import ALIASES, CONST, RULES
 from fastdp.probe import StructureError
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,17 @@ class Traced(torch.Tensor):
             _on_backward(args, kwargs)
         with torch_api.torch_function_subclasses_off():
             res = func(*args, **kwargs)
+        if name == "__setitem__":
+            _on_setitem(args)
+        elif name == "__bool__":
+            _on_branch(args[0])
         if name in _PASS or name == "backward" or not _has_tensor(res) or torch.compiler.is_compiling():
             return _plain(res, args)
         return _follow(name, args, kwargs, res)
+
+    def __format__(self, spec: str) -> str:  # f"{loss:.4f}": formatted as the plain tensor it aliases
+        with torch_api.torch_function_subclasses_off():
+            return self.as_subclass(torch.Tensor).__format__(spec)
 
 
 def dep_of(x: Any) -> Dep | None:
@@ -106,6 +114,23 @@ def _name(func: Any) -> str:
     if name == "__get__":  # a property getter (t.T, t.data)
         return getattr(getattr(func, "__self__", None), "__name__", "")
     return name
+
+
+def _on_setitem(args: tuple[Any, ...]) -> None:
+    """``t[index] = value``: a traced value or index written into a tensor is not followed (the pass is unverified);
+    constants written into a traced tensor leave its dependence as it is."""
+    target, rest = args[0], args[1:]
+    books = _books(rest, {}) + _books(tuple(i for r in rest if isinstance(r, tuple) for i in r), {})
+    if books:
+        for book in books + _books((target,), {}):
+            book.unknown.add("__setitem__ (a traced value or index written in place)")
+
+
+def _on_branch(t: Any) -> None:
+    """``bool(t)`` (``if``, Python's ``max``, ``sorted``): a branch on a value of several samples is not followed."""
+    d = dep_of(t)
+    if d is not None and d.kind not in (ROWS, ONE):
+        d.book.unknown.add("a Python branch (bool) on a value of several samples")
 
 
 def _has_tensor(res: Any) -> bool:
@@ -142,6 +167,7 @@ def _rebuild(res: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
 
 
 def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) -> Any:
+    name = ALIASES.get(name, name)
     rule = RULES.get(name)
     deps = None
     if rule is not None and kwargs.get("out") is None:
@@ -163,6 +189,10 @@ def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) 
     if isinstance(res, torch.Tensor):
         if isinstance(deps, tuple):
             return _plain(res, args)
+        if not isinstance(res, Traced) and any(res is a for a in args):  # traced values written in place into an
+            for book in _books(args, kwargs):  # untraced tensor (buf += x, w.masked_fill_(mask_of_x, 0))
+                book.unknown.add(f"{name} (into an untraced tensor)")
+            return res
         if isinstance(res, Traced) and any(res is a for a in args):
             if not _in_place(name):
                 return res  # an argument returned as is (x.contiguous(), x.to(its dtype)): nothing changed

@@ -9,6 +9,7 @@ then untraced and the pass unverified: never a refusal). The algebra itself is :
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +26,12 @@ from fastdp.loss_deps import (
     combine,
     contract,
     data,
+    narrow_map,
     one_from_row,
     permute,
     reduce,
     reshape,
+    selected,
     unary,
 )
 
@@ -56,6 +59,7 @@ _ADDITIVE = {"add", "sub", "subtract", "rsub", "__add__", "__radd__", "__sub__",
 _MULTIPLICATIVE = {"mul", "multiply", "__mul__", "__rmul__", "__imul__", "where", "masked_fill", "addcmul", "lerp"}
 _DIVISION = {"div", "divide", "true_divide", "__truediv__", "__itruediv__"}  # nonlinear in the divisor
 _NONLINEAR_BINARY = {"__rtruediv__", "__rpow__", "maximum", "minimum", "fmax", "fmin", "atan2", "xlogy", "hypot",
+                     "logaddexp",
                      "copysign", "fmod", "remainder", "__mod__", "floor_divide", "__floordiv__", "__rfloordiv__",
                      "addcdiv"}
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
@@ -112,7 +116,7 @@ def _elementwise(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
     if not traced:
         return None
     if base in _COMPARE or base in _DATA_UNARY:
-        return _data(combine([(d, t.dim()) for t, d in traced], res.dim(), False, name))
+        return _data(combine([(d, tuple(t.shape)) for t, d in traced], tuple(res.shape), False, name))
     if len(traced) == 1 and (base in _LINEAR or base in _NONLINEAR) and len(ts) == 1:
         return unary(traced[0][1], base in _LINEAR, name)
     deps = []
@@ -122,8 +126,8 @@ def _elementwise(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
                      or (base in {"pow", "__pow__", "float_power"}))
         if base == "__rtruediv__" and i == 0 and t is args[0]:
             nonlinear = True
-        deps.append((unary(d, not nonlinear, name), t.dim()))
-    return combine(deps, res.dim(), base in _ADDITIVE, name)
+        deps.append((unary(d, not nonlinear, name), tuple(t.shape)))
+    return combine(deps, tuple(res.shape), base in _ADDITIVE, name)
 
 
 def _data(d: Dep) -> Dep:
@@ -229,21 +233,29 @@ def _expand(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
     return d
 
 
+def content(t: torch.Tensor) -> tuple[Any, ...]:
+    """A key for an index tensor's content (shape, dtype, digest): equal selections give equal row maps. A host
+    read, on the traced passes only."""
+    with torch.no_grad():
+        raw = t.detach().to("cpu").contiguous().view(-1)
+        return (tuple(t.shape), str(t.dtype), hashlib.sha1(raw.numpy().tobytes()).hexdigest())
+
+
 def _rows_of(t: torch.Tensor, d: Dep, dim: int, index: Any) -> Any:
-    """The row map after selecting rows ``index`` (a slice or an index tensor) of sample dimension ``dim``."""
-    base, block, offset = d.maps[d.dims.index(dim)]
+    """The row map after selecting rows ``index`` (a slice or a 1-D index tensor) of sample dimension ``dim``."""
+    m = d.maps[d.dims.index(dim)]
     n = t.shape[dim]
     if isinstance(index, slice):
         start, stop, step = index.indices(n)
         if step == 1:
-            return (base, block, offset + start)
-        return None
+            return narrow_map(m, start, max(0, stop - start))
+        return selected(m, "slice", start, stop, step)
     if isinstance(index, torch.Tensor) and index.dtype != torch.bool and index.dim() == 1 and index.numel() <= n:
         with torch.no_grad():
             ar = torch.arange(index.numel(), device=index.device)
             if bool(torch.equal(index.to(ar.dtype), ar)):
-                return (base, block, offset)
-    return None
+                return narrow_map(m, 0, index.numel())
+    return selected(m, "index", content(index)) if isinstance(index, torch.Tensor) else None
 
 
 def _getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
@@ -289,7 +301,7 @@ def _getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any,
             if i_in in d.dims:
                 m = _rows_of(x, d, i_in, i) if isinstance(i, slice) or i.dim() == 1 else None
                 if m is None:
-                    return Dep(ROWS, d.grad, d.book, (i_out,), ((object(), 1, 0),)) if d.kind == ROWS else None
+                    return None
                 dims.append(i_out)
                 maps.append(m)
             i_in += 1
@@ -336,7 +348,10 @@ def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any) -> Dep | None:
         if at_batch is not None and at_batch.dim() == 1 and len(lengths) == 1 and all(
                 i.dim() == 1 for i in idx if isinstance(i, torch.Tensor)):
             m = _rows_of(x, d, d.dims[0], at_batch)
-        return Dep(ROWS, d.grad, d.book, (first,), (m or (object(), 1, 0),))
+        if m is None:  # a mask over the batch and other dimensions, several index tensors: keyed by their content
+            m = selected(d.maps[0], "advanced", d.dims[0] - first, tuple(
+                content(i) if isinstance(i, torch.Tensor) else repr(i) for i in idx))
+        return Dep(ROWS, d.grad, d.book, (first,), (m,))
     return None
 
 
@@ -364,8 +379,8 @@ def _select_like(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
         dim = _arg(args, kwargs, 1, "dim") % n
         start = _arg(args, kwargs, 2, "start")
         if dim in d.dims and d.kind == ROWS:
-            base, block, offset = d.maps[0]
-            return Dep(ROWS, d.grad, d.book, d.dims, ((base, block, offset + int(start)),))
+            length = _arg(args, kwargs, 3, "length")
+            return Dep(ROWS, d.grad, d.book, d.dims, (narrow_map(d.maps[0], int(start), int(length)),))
         return d if dim not in d.dims else None
     if name in {"split", "chunk", "tensor_split", "split_with_sizes"}:
         dim = _arg(args, kwargs, 2, "dim", 0) % n
@@ -373,10 +388,9 @@ def _select_like(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
             return tuple(d for _ in res)
         if d.kind != ROWS:
             return None
-        base, block, offset = d.maps[0]
         out, start = [], 0
         for piece in res:
-            out.append(Dep(ROWS, d.grad, d.book, d.dims, ((base, block, offset + start),)))
+            out.append(Dep(ROWS, d.grad, d.book, d.dims, (narrow_map(d.maps[0], start, piece.shape[dim]),)))
             start += piece.shape[dim]
         return tuple(out)
     if name in {"index_select"}:
@@ -384,7 +398,7 @@ def _select_like(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
         if dim not in d.dims:
             return d
         m = _rows_of(x, d, dim, _arg(args, kwargs, 2, "index")) if d.kind == ROWS else None
-        return Dep(ROWS, d.grad, d.book, d.dims, (m or (object(), 1, 0),)) if d.kind == ROWS else None
+        return Dep(ROWS, d.grad, d.book, d.dims, (m,)) if m is not None else None
     if name in {"gather", "take_along_dim"}:
         dim = _arg(args, kwargs, 1 if name == "gather" else 2, "dim")
         index = _arg(args, kwargs, 2 if name == "gather" else 1, "index" if name == "gather" else "indices")
@@ -426,18 +440,20 @@ def _concat(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
             book = ones[0].book
             if all(s == (book, r) for r, s in enumerate(samples)):
                 return Dep(ROWS, any(d.grad for d in ones), book, (0,), ((book, 1, 0),))
-            return Dep(ROWS, any(d.grad for d in ones), book, (0,), ((object(), 1, 0),))
+            return Dep(ROWS, any(d.grad for d in ones), book, (0,), ((("stack", tuple(samples)), 1, 0),))
         if len(traced) == len(ts) and len({(d.kind, d.dims, d.maps) for _, d in traced}) == 1 and (
                 traced[0][1].kind in (ROWS, PAIRS)):
             d = traced[0][1]
             return Dep(d.kind, any(e.grad for _, e in traced), d.book, tuple(k + (k >= dim) for k in d.dims), d.maps)
-        return combine([(d, t.dim() + 1) for t, d in traced], n, True, name)  # stacked: separate values
+        return combine([(d, tuple(t.shape[:dim]) + (1,) + tuple(t.shape[dim:])) for t, d in traced],
+                       tuple(res.shape), True, name)  # stacked: separate values
     first = traced[0][1]
     if first.kind == ROWS and dim in first.dims:
         if all(d.kind == ROWS and d.dims == first.dims for _, d in traced) and len(traced) == len(ts):
-            return Dep(ROWS, any(d.grad for _, d in traced), first.book, first.dims, ((object(), 1, 0),))
+            parts = tuple((d.maps[0], t.shape[dim]) for t, d in traced)
+            return Dep(ROWS, any(d.grad for _, d in traced), first.book, first.dims, ((("cat", parts), 1, 0),))
         return None
-    return combine([(d, t.dim()) for t, d in traced], n, True, name)
+    return combine([(d, tuple(t.shape)) for t, d in traced], tuple(res.shape), True, name)
 
 
 def _matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
@@ -481,9 +497,11 @@ def _matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
             sb = lead[n - (b.dim() - 2):] + "kj"
             out = lead + "ij"
         ops, specs = [a, b], [sa, sb]
-    if len(ops) != len(specs):
+    if len(ops) != len(specs) or any(not isinstance(t, torch.Tensor) or t.dim() != len(s)
+                                     for t, s in zip(ops, specs, strict=True)):
         return None
-    return contract([(dep(t), s) for t, s in zip(ops, specs, strict=True)], out, name)
+    return contract([(dep(t), s) for t, s in zip(ops, specs, strict=True)], out, name,
+                    [tuple(t.shape) for t in ops])
 
 
 def _lead(n: int) -> str:
@@ -505,24 +523,26 @@ def _class_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
     r = along(d, n, cls, name)  # the classes of a row: normalised across them
     t = dep(target) if isinstance(target, torch.Tensor) else None
     if t is not None and target.shape == x.shape:  # soft targets, one per class
-        r = combine([(r, n), (unary(t, False, name), n)], n, False, name)
+        r = combine([(r, tuple(x.shape)), (unary(t, False, name), tuple(target.shape))], tuple(x.shape), False,
+                    name)
         t = None
     rows = reduce(r, n, (cls,), False, True, name)
     if t is not None:
         if target.dim() != n - 1 or rows.kind == COUPLED:
             return rows if rows.kind == COUPLED else None
-        rows = combine([(rows, n - 1), (t, n - 1)], n - 1, False, name)
+        row_shape = tuple(x.shape[:cls]) + tuple(x.shape[cls + 1:])
+        rows = combine([(rows, row_shape), (t, tuple(target.shape))], row_shape, False, name)
     return rows if reduction == "none" else reduce(rows, max(n - 1, 0), None, False, True, name)
 
 
 def _element_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
     ts = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-    traced = [(dep(t), t.dim()) for t in ts if dep(t) is not None]
+    traced = [(dep(t), tuple(t.shape)) for t in ts if dep(t) is not None]
     if not traced:
         return None
-    n = max(t.dim() for t in ts)
-    deps = [(unary(d, False, name), k) for d, k in traced]
-    r = combine(deps, n, False, name)
+    out = tuple(torch.broadcast_shapes(*[t.shape for t in ts]))
+    n = len(out)
+    r = combine([(unary(d, False, name), k) for d, k in traced], out, False, name)
     reduction = kwargs.get("reduction", "mean")
     if reduction == "none":
         return r
@@ -532,7 +552,7 @@ def _element_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res:
 def _pair_fn(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
     """cosine_similarity, pairwise_distance, cosine_embedding_loss, triplet_margin_loss, cdist."""
     ts = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-    traced = [(dep(t), t.dim()) for t in ts if dep(t) is not None]
+    traced = [(dep(t), tuple(t.shape)) for t in ts if dep(t) is not None]
     if not traced:
         return None
     if name == "cdist":
@@ -540,9 +560,11 @@ def _pair_fn(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any,
         if a.dim() != 2 or b.dim() != 2:
             return None
         return contract([(unary(dep(a), False, name) if dep(a) else None, "ik"),
-                         (unary(dep(b), False, name) if dep(b) else None, "jk")], "ij", name)
-    n = max(t.dim() for t in ts)
-    r = combine([(unary(d, False, name), k) for d, k in traced], n, False, name)
+                         (unary(dep(b), False, name) if dep(b) else None, "jk")], "ij", name,
+                        [tuple(a.shape), tuple(b.shape)])
+    out = tuple(torch.broadcast_shapes(*[t.shape for t in ts]))
+    n = len(out)
+    r = combine([(unary(d, False, name), k) for d, k in traced], out, False, name)
     if name == "cosine_similarity":
         dim = _arg(args, kwargs, 2, "dim", 1)
         return reduce(r, n, (dim,), False, False, name)
@@ -606,3 +628,8 @@ for _names, _rule in (
         RULES[_n] = _rule
         if not _n.startswith("__"):
             RULES.setdefault(_n + "_", _rule)
+#: torch.linalg.* and torch.special.* report prefixed names: the name their rule knows them by
+ALIASES = {"linalg_vector_norm": "vector_norm", "linalg_norm": "norm", "special_xlogy": "xlogy",
+           "special_expit": "sigmoid", "special_logsumexp": "logsumexp", "special_logit": "logit",
+           "special_log_softmax": "log_softmax", "special_softmax": "softmax", "special_erf": "erf",
+           "special_log1p": "log1p", "special_expm1": "expm1", "special_exp2": "exp2"}

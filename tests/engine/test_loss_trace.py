@@ -84,6 +84,9 @@ Y_TOK = torch.randint(0, V, (B, T), generator=_g)
 Y_TOK[0, 2:] = -100
 Y_CLS = torch.randint(0, V, (B,), generator=_g)
 TEACHER = torch.randn(B, T, V, generator=_g, dtype=torch.float64)
+MASK = torch.tensor([[True, True, False, True], [False, True, True, True], [True, False, False, True],
+                     [True, True, True, False], [False, False, True, True]])
+SUBSET = torch.tensor([0, 2, 3])
 
 
 def _pool(y):
@@ -116,12 +119,21 @@ SEPARABLE = {
     "loss plus a detached batch constant": lambda o: o.pow(2).mean() + o.detach().mean(),
     "masked select": lambda o: o[Y_TOK != -100].logsumexp(-1).mean(),
     "hinge over own classes": lambda o: F.relu(1 - o.amax(-1) + o.mean(-1)).sum(),
+    # the same selection twice is the same rows (found by a red-team pass: each selection had its own rows)
+    "masked entropy, the mask applied twice": lambda o: -(o.softmax(-1)[MASK] * o.log_softmax(-1)[MASK]).sum(),
+    "focal on masked rows": lambda o: ((1 - o.detach().softmax(-1)[MASK]) ** 2 * -o.log_softmax(-1)[MASK]).sum(),
+    "a subset indexed twice": lambda o: (o[SUBSET].softmax(-1) * o[SUBSET].log_softmax(-1)).sum(),
+    "index_select twice": lambda o: (o.index_select(0, SUBSET).softmax(-1) * o.index_select(0, SUBSET)).sum(),
+    "a subset stacked twice": lambda o: (torch.stack([o[i].sum() for i in (0, 2, 3)])
+                                         * torch.stack([o[i].pow(2).sum() for i in (0, 2, 3)])).sum(),
 }
 SEPARABLE_TWO = {
     "R-Drop (two passes, KL per row)": lambda a, b: F.kl_div(a.log_softmax(-1), b.softmax(-1), reduction="batchmean"),
     "siamese cosine per pair": lambda a, b: (1 - F.cosine_similarity(a.mean(1), b.mean(1), dim=-1)).mean(),
     "triplet with the sample's own negative": lambda a, b: F.triplet_margin_loss(a.mean(1), b.mean(1),
                                                                                  b.mean(1).flip(-1)),
+    "R-Drop as cat then chunk": lambda a, b: (lambda p, q: F.kl_div(p, q, log_target=True, reduction="sum"))(
+        *torch.cat([a, b]).log_softmax(-1).chunk(2)),
 }
 COUPLED = {
     "softmax over the batch": lambda o: (o.mean((1, 2)).softmax(0) * o.mean((1, 2))).sum(),
@@ -134,6 +146,11 @@ COUPLED = {
     "hard-negative triplet mining": lambda o: torch.relu(torch.cdist(o.mean(1), o.mean(1)).max(1).values - .5).mean(),
     "rows of another sample": lambda o: (o * o[torch.tensor([1, 2, 3, 4, 0])]).sum(),
     "in-batch negatives on one encoder": lambda o: F.cross_entropy(_pool(o) @ _pool(o).T / 0.1, torch.arange(B)),
+    # one sample's row broadcast against the batch (found by a red-team pass: a size-1 slice passed as the rows)
+    "anchored to the first sample": lambda o: ((o[:1] - o) ** 2).sum(),
+    "the first sample as a target": lambda o: F.mse_loss(o, o[:1].detach()),
+    "cosine to the first sample": lambda o: F.cosine_similarity(o, o.narrow(0, 0, 1)).sum(),
+    "batched product with the first sample": lambda o: torch.matmul(o[:1], o.transpose(1, 2)).tanh().sum(),
 }
 COUPLED_TWO = {
     "CLIP": lambda a, b: F.cross_entropy(_pool(a) @ _pool(b).T / 0.07, torch.arange(B)),
@@ -176,6 +193,44 @@ def test_coupled_losses_of_two_forward_calls(name):
     assert traced_verdict(fn, ys) == "coupled"
 
 
+def _buffer_plus_mean(o):
+    buf = torch.zeros(1, T, V, dtype=o.dtype)
+    buf += o.mean(0, keepdim=True)
+    return (o * buf).sum()
+
+
+def _hard_example_mining(o):
+    losses = o.pow(2).mean((1, 2))
+    w = torch.ones(B, dtype=o.dtype)
+    w.masked_fill_(losses.detach() > losses.detach().mean(), 0)
+    return (w * losses).sum()
+
+
+def _drop_the_hardest(o):
+    losses = o.pow(2).mean((1, 2))
+    w = torch.ones(B, dtype=o.dtype)
+    w[losses.detach().argmax()] = 0
+    return (w * losses).sum()
+
+
+UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, never separable (red-team pass)
+    "traced values added into an untraced buffer": _buffer_plus_mean,
+    "hard-example mining written in place": _hard_example_mining,
+    "the hardest sample dropped by item assignment": _drop_the_hardest,
+    "Python's max over per-sample losses": lambda o: max(o.pow(2).mean((1, 2))),
+    "an in-place write through a flat view": lambda o: (lambda z: (z.view(-1).add_(z.sum()), z.tanh().sum())[1])(
+        o.clone()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNFOLLOWED))
+def test_couplings_the_trace_cannot_follow_are_unverified(name):
+    fn = UNFOLLOWED[name]
+    ys = outputs()
+    assert couples(fn, ys) is True
+    assert traced_verdict(fn, ys) == "unverified"
+
+
 def test_a_function_without_a_rule_leaves_the_pass_unverified():
     fn = lambda o: torch.fft.fft(o).real.pow(2).sum()  # noqa: E731
     assert traced_verdict(fn, outputs()) == "unverified"
@@ -208,7 +263,7 @@ def _step(op: str, x: torch.Tensor) -> torch.Tensor:
     if op == "own_gram":
         return torch.einsum("bij,bkj->bik", x, x)[..., : x.shape[-1]] if x.shape[1] >= x.shape[-1] else x
     if op == "batch_gram":
-        return (x.flatten(1) @ x.flatten(1).T / x[0].numel()).diagonal().tanh()[:, None, None] * x
+        return (1 + (x.flatten(1) @ x.flatten(1).T / x[0].numel()).diagonal().tanh())[:, None, None] * x
     if op == "lse_batch":
         return x - 0.5 * x.logsumexp(0)
     if op == "add_detached_own":
@@ -393,3 +448,4 @@ def test_traced_outputs_save_and_copy_as_plain_tensors(tmp_path):
     assert type(back["logits"]) is torch.Tensor and torch.equal(back["logits"], t.as_subclass(torch.Tensor))
     assert type(pickle.loads(pickle.dumps(t))) is torch.Tensor
     assert type(copy.deepcopy(t)) is torch.Tensor
+    assert f"{t.sum():.3f}" == f"{t.as_subclass(torch.Tensor).sum():.3f}"  # a format spec on a traced scalar
