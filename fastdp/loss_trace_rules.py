@@ -56,7 +56,7 @@ _INPLACE_DUNDER = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__
 #: a rule's answer for a result that does not depend on the samples (it is left untraced; the pass stays verified)
 CONST = "const"
 _ADDITIVE = {"add", "sub", "subtract", "rsub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__"}
-_MULTIPLICATIVE = {"mul", "multiply", "__mul__", "__rmul__", "__imul__", "where", "masked_fill", "addcmul", "lerp"}
+_MULTIPLICATIVE = {"mul", "multiply", "__mul__", "__rmul__", "__imul__", "masked_fill", "addcmul", "lerp"}
 _DIVISION = {"div", "divide", "true_divide", "__truediv__", "__itruediv__"}  # nonlinear in the divisor
 _NONLINEAR_BINARY = {"__rtruediv__", "__rpow__", "maximum", "minimum", "fmax", "fmin", "atan2", "xlogy", "hypot",
                      "logaddexp",
@@ -128,6 +128,24 @@ def _elementwise(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
             nonlinear = True
         deps.append((unary(d, not nonlinear, name), tuple(t.shape)))
     return combine(deps, tuple(res.shape), base in _ADDITIVE, name)
+
+
+def _where(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
+    """``torch.where(cond, a, b)`` (``a.where(cond, b)``): each element is ``a``'s or ``b``'s, so the values
+    combine as a sum does (a detached value of other samples only shifts); ``cond`` weighs, as a factor does."""
+    ts = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    conds = [t for t in ts if t.dtype == torch.bool]
+    if len(ts) != 3 or len(conds) != 1 or not isinstance(res, torch.Tensor):
+        return None
+    cond = conds[0]
+    values = [t for t in ts if t is not cond]
+    out = tuple(res.shape)
+    traced = [(dep(t), tuple(t.shape)) for t in values if dep(t) is not None]
+    picked = combine(traced, out, True, name) if traced else None
+    if dep(cond) is None:
+        return picked
+    factors = [(dep(cond), tuple(cond.shape))] + ([(picked, out)] if picked is not None else [])
+    return combine(factors, out, False, name)
 
 
 def _data(d: Dep) -> Dep:
@@ -621,6 +639,7 @@ for _names, _rule in (
         ({"cosine_similarity", "pairwise_distance", "cosine_embedding_loss", "triplet_margin_loss", "cdist"},
          _pair_fn),
         ({"pad"}, _pad),
+        ({"where"}, _where),
         (_CONSTANT, _constant),
         ({"tril", "triu", "flip", "roll", "fill_diagonal_"}, _masking),
 ):
