@@ -31,12 +31,16 @@ the line of the user's code that called it. A refusal starts the signature's cou
 ``__torch_function__`` call per torch function on a traced tensor, in the traced passes only.
 
 **What it does not see.** Anything the rules do not know (the pass is then ``unverified``: logged, not refused):
-functions without a rule, in-place writes into untraced tensors, ``out=``, custom autograd functions, code run under
-``torch.compile`` (a compiled loss is not traced), numpy. A loss computed inside the model's forward (Hugging Face
-models called with ``labels=``) is not traced: it never leaves the model as an output. Data that is not a model
-output is a constant to the trace: a divisor counted from the labels (a token mean) is the loss check's
-(:mod:`fastdp.loss_check`); a per-sample weight from the batch's labels is neither's. Elementwise rules assume
-broadcasting aligns trailing dimensions; a traced tensor fed back into the model is untraced there.
+functions without a rule, traced values or indices written in place into untraced tensors, in-place writes through
+views, Python branches (``bool``) on values of several samples, ``out=``, custom autograd functions, code run under
+``torch.compile`` (a compiled loss is not traced). Values that leave torch (``.item()``, ``.tolist()``, ``float``,
+numpy) are constants to it. A loss computed inside the model's forward (Hugging Face models called with
+``labels=``) is not traced: it never leaves the model as an output. Data that is not a model output is a constant to
+the trace: a divisor counted from the labels (a token mean) is the loss check's (:mod:`fastdp.loss_check`); a
+per-sample weight from the batch's labels is neither's. A traced tensor fed back into the model is traced through
+the model's operations like the loss's, and the new outputs are the batch's rows again. The rules follow structure,
+not algebra, and err towards refusing (docs/reference/losses.md lists the known false refusals). Selecting rows
+reads the index's content on the host (the same selection gives the same rows).
 
 It may touch: the model's outputs (returned as aliases of the same tensors) and its own state.
 """
