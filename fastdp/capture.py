@@ -286,15 +286,19 @@ class Capture:
         return self.inert or bool(self.paused) or not torch.is_grad_enabled()
 
     # ------------------------------------------------------------------ root hooks
-    def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The batch size of this forward call of the model: the leading size its tensor inputs agree on
         (:func:`fastdp.layers.batchdim.infer_batch_size`). An outermost call first discards what a failed forward
         or backward pass left behind; a new input signature is verified by the structure probe
-        (:mod:`fastdp.probe`) before the call runs."""
+        (:mod:`fastdp.probe`) before the call runs. Traced inputs (:mod:`fastdp.loss_trace`: outputs fed back) are
+        replaced by plain aliases (returned, as ``(args, kwargs)``)."""
         if not self.roots and run_by_torch_compile():
             raise RuntimeError(COMPILE_REFUSAL)
         if not self.roots:
             self.recover()
+        replaced = loss_trace.plain_inputs(args, kwargs)  # outputs fed back: the model sees plain tensors
+        if replaced is not None:
+            args, kwargs = replaced
         frame = RootFrame(self.next_forward, sys.exc_info()[1], torch.is_grad_enabled())
         self.next_forward += 1
         self.roots.append(frame)  # popped by _root_post, which runs also when this pre-hook raises
@@ -303,7 +307,7 @@ class Capture:
             self.owner_layouts.start()  # the size rule, unless the probe knows this call's signature
         if (B is None or B < 1 or len(self.roots) != 1 or self.inert or self.paused or self.probe.running
                 or not torch.is_grad_enabled()):
-            return
+            return replaced
         # the input signature, computed once for both checks (the structure probe, the loss check)
         sig = probe.signature(args, kwargs, B, module.training)
         if self.engine.verify_structure:
@@ -311,6 +315,7 @@ class Capture:
         if self.engine.verify_loss and B >= 2:
             frame.loss_sig = sig if self.loss.take(sig) else None
             frame.trace_sig = sig if self.trace.take(sig) and not run_by_torch_compile() else None
+        return replaced
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""

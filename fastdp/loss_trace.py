@@ -34,11 +34,12 @@ the line of the user's code that called it. A refusal starts the signature's cou
 functions without a rule, traced values or indices written in place into untraced tensors, in-place writes through
 views, Python branches (``bool``) on values of several samples, ``out=``, custom autograd functions, code run under
 ``torch.compile`` (a compiled loss is not traced). Values that leave torch (``.item()``, ``.tolist()``, ``float``,
-numpy) are constants to it. A loss computed inside the model's forward (Hugging Face models called with
-``labels=``) is not traced: it never leaves the model as an output. Data that is not a model output is a constant to
-the trace: a divisor counted from the labels (a token mean) is the loss check's (:mod:`fastdp.loss_check`); a
-per-sample weight from the batch's labels is neither's. A traced tensor fed back into the model is traced through
-the model's operations like the loss's, and the new outputs are the batch's rows again. The rules follow structure,
+numpy) are constants to it. A loss computed inside the model's forward (Hugging Face models called with ``labels=``)
+is not traced: it never leaves the model as an output. Data that is not a model output is a constant to the trace: a
+divisor counted from the labels (a token mean) is the loss check's (:mod:`fastdp.loss_check`); a per-sample weight
+from the batch's labels is neither's. A traced tensor fed back into the model is given to it as a plain alias (the
+model, the engine's hooks and the structure probe never see traced tensors): the call's outputs are the batch's rows
+again, so an input that was not (a value of several samples) leaves the pass unverified. The rules follow structure,
 not algebra, and err towards refusing (docs/reference/losses.md lists the known false refusals). Selecting rows
 reads the index's content on the host (the same selection gives the same rows).
 
@@ -310,6 +311,33 @@ def arm(state: LossTrace, sig: Any, output: Any, B: int) -> Any:
     if n:
         state.sigs.setdefault(id(book), set()).add(sig)
     return out
+
+
+def plain_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A forward call of the model with traced inputs (its outputs fed back): the inputs as plain aliases, so that
+    the model, the engine's hooks and the structure probe never see traced tensors (``None``: none was traced). An
+    input that is not the batch's own rows (a value of several samples, rows of other samples) is not followed
+    through the model (the call's outputs are the batch's rows again), so its pass is unverified."""
+    found = False
+
+    def plain(x: Any) -> Any:
+        nonlocal found
+        if isinstance(x, Traced):
+            found = True
+            d = dep_of(x)
+            if d is not None and not (d.kind == ROWS and d.dims == (0,) and d.maps == ((d.book, 1, 0),)):
+                d.book.unknown.add("a traced value of several samples fed back into the model")
+            with torch_api.torch_function_subclasses_off():
+                return x.as_subclass(torch.Tensor)
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(plain(v) for v in x)
+        if type(x) is dict:
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    new_args = tuple(plain(a) for a in args)
+    new_kwargs = {k: plain(v) for k, v in kwargs.items()}
+    return (new_args, new_kwargs) if found else None
 
 
 def _on_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -483,3 +483,17 @@ def test_traced_outputs_save_and_copy_as_plain_tensors(tmp_path):
     assert type(pickle.loads(pickle.dumps(t))) is torch.Tensor
     assert type(copy.deepcopy(t)) is torch.Tensor
     assert f"{t.sum():.3f}" == f"{t.as_subclass(torch.Tensor).sum():.3f}"  # a format spec on a traced scalar
+
+
+def test_a_value_of_several_samples_fed_back_into_the_model_is_unverified():
+    """The model's outputs, mixed across the batch, as the input of a second call: the new outputs would read as the
+    batch's own rows, so the pass is unverified (not separable)."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    _engine(model)
+    h = model(X1)
+    book = loss_trace.dep_of(h).book
+    model(h)  # the batch's own rows: followed
+    assert not book.unknown
+    model(h - h.mean(0))
+    assert book.unknown == {"a traced value of several samples fed back into the model"}
+    assert loss_trace.verdict(loss_trace.dep_of(h.sum()), book) == "unverified"
