@@ -81,30 +81,89 @@ def coupled(book: Book, grad: bool, why: str, *deps: Dep | None) -> Dep:
     return Dep(COUPLED, grad, book, why=why)
 
 
+#: the most rows an explicit row map lists (a selection or concatenation beyond it is not followed)
+MAX_ROWS = 1 << 20
+
+
 def one_from_row(m: Any, r: int) -> Any:
-    """The sample ``(base, index)`` of row ``r`` of rows with map ``m``."""
-    base, block, offset = narrow_map(m, r, 1)
-    return (base, offset // block)
+    """The sample ``(book, index)`` of row ``r`` of rows with map ``m``."""
+    if len(m) == 3:
+        book, block, offset = m
+        return (book, (r + offset) // block)
+    return (m[0], m[1][r])
+
+
+def row_samples(m: Any, start: int, length: int) -> list[int]:
+    """The samples (indices in the map's book) of rows ``start .. start + length``."""
+    if len(m) == 3:
+        _, block, offset = m
+        return [(r + offset) // block for r in range(start, start + length)]
+    return list(m[1][start:start + length])
+
+
+def explicit(book: Any, samples: list[int] | tuple[int, ...]) -> Any:
+    """The row map whose row ``r`` is sample ``samples[r]`` of ``book``: arithmetic ``(book, block, offset)`` when
+    the samples are consecutive runs of one length (so that a selection of every row, or ``cat`` of the batch's
+    pieces, is the batch's map again), else ``(book, samples)``. Two maps are the same function of the row exactly
+    when they are equal."""
+    samples = tuple(samples)
+    n = len(samples)
+    if n == 0:
+        return (book, samples)
+    runs = []  # (sample, run length)
+    for v in samples:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    consecutive = all(runs[i + 1][0] == runs[i][0] + 1 for i in range(len(runs) - 1))
+    if consecutive:
+        if len(runs) == 1:
+            return (book, samples)  # one sample: a run of unknown block
+        block = runs[1][1] if len(runs) > 2 else max(runs[0][1], runs[1][1])
+        inner = runs[1:-1]
+        if all(r[1] == block for r in inner) and runs[0][1] <= block and runs[-1][1] <= block:
+            offset = runs[0][0] * block + (block - runs[0][1])
+            return (book, block, offset)
+    return (book, samples)
+
+
+def same_map(a: Any, b: Any, n: int) -> bool:
+    """Whether row maps ``a`` and ``b`` give the same sample on each of ``n`` rows (an arithmetic map over rows of
+    at most two samples has several forms)."""
+    if a == b:
+        return True
+    if a[0] is not b[0] or n > MAX_ROWS:
+        return False
+    return row_samples(a, 0, n) == row_samples(b, 0, n)
 
 
 def narrow_map(m: Any, start: int, length: int) -> Any:
-    """The row map of rows ``start .. start + length`` of rows with map ``m``. Rows of a concatenation along the
-    batch (``("cat", ((map, rows), ...))``) that lie within one of its parts have that part's map: ``torch.cat([a,
-    b]).chunk(2)`` gives back ``a``'s rows and ``b``'s."""
-    base, block, offset = m
-    if isinstance(base, tuple) and base and base[0] == "cat" and block == 1:
-        pos, s = 0, offset + start
-        for part, n in base[1]:
-            if pos <= s and s + length <= pos + n:
-                return narrow_map(part, s - pos, length)
-            pos += n
-    return (base, block, offset + start)
+    """The row map of rows ``start .. start + length`` of rows with map ``m``."""
+    if len(m) == 3:
+        book, block, offset = m
+        return (book, block, offset + start)
+    return explicit(m[0], m[1][start:start + length])
 
 
-def selected(m: Any, *key: Any) -> Any:
-    """The row map of rows selected from rows with map ``m`` by an index described by ``key`` (its kind and
-    content): each row is one sample's, and the same selection gives the same map."""
-    return (("select", m, *key), 1, 0)
+def take_map(m: Any, rows: list[int], n: int) -> Any | None:
+    """The row map of rows ``rows`` (indices into ``n`` rows with map ``m``, negative ones from the end); ``None``
+    beyond ``MAX_ROWS``."""
+    if len(rows) > MAX_ROWS:
+        return None
+    return explicit(m[0], [one_from_row(m, r % n if n else r)[1] for r in rows])
+
+
+def concat_maps(parts: list[tuple[Any, int]]) -> Any | None:
+    """The row map of ``torch.cat`` along the sample dimension of rows with maps and lengths ``parts``; ``None`` for
+    rows of several books or beyond ``MAX_ROWS``."""
+    books = {m[0] for m, _ in parts}
+    if len(books) != 1 or sum(n for _, n in parts) > MAX_ROWS:
+        return None
+    samples: list[int] = []
+    for m, n in parts:
+        samples.extend(row_samples(m, 0, n))
+    return explicit(books.pop(), samples)
 
 
 def shift(d: Dep, dims: tuple[int, ...]) -> Dep:
@@ -146,7 +205,6 @@ def combine(deps: list[tuple[Dep, tuple[int, ...]]], out: tuple[int, ...], addit
     book = deps[0][0].book
     grad = any(d.grad for d, _ in deps)
     al = _aligned(deps, out)
-    ndim = len(out)
     grads = [(d, dims) for d, dims in al if d.grad]
     datas = [(d, dims) for d, dims in al if not d.grad]
     for d, _ in al:
@@ -157,11 +215,11 @@ def combine(deps: list[tuple[Dep, tuple[int, ...]]], out: tuple[int, ...], addit
     if grad and additive:
         # data operands only shift the gradient terms: keep what the gradient operands are, at worst SEP
         kept = grads
-        shifted = any(not (d.kind in (ROWS, ONE) and _same_rows(d, dims, grads)) for d, dims in datas)
+        shifted = any(not (d.kind in (ROWS, ONE) and _same_rows(d, dims, grads, out)) for d, dims in datas)
     else:
         kept = al
         shifted = False
-    res = _join(kept, ndim, additive, name, book, grad)
+    res = _join(kept, out, additive, name, book, grad)
     if shifted and res.kind in (ROWS, ONE):
         return Dep(SEP, grad, book)
     if shifted and res.kind == PAIRS:
@@ -169,11 +227,13 @@ def combine(deps: list[tuple[Dep, tuple[int, ...]]], out: tuple[int, ...], addit
     return res
 
 
-def _same_rows(d: Dep, dims: tuple[int, ...], others: list[tuple[Dep, tuple[int, ...]]]) -> bool:
-    return all(o.kind == d.kind and odims == dims and o.maps == d.maps for o, odims in others)
+def _same_rows(d: Dep, dims: tuple[int, ...], others: list[tuple[Dep, tuple[int, ...]]],
+               out: tuple[int, ...]) -> bool:
+    return all(o.kind == d.kind and odims == dims and all(
+        same_map(a, b, out[x]) for a, b, x in zip(o.maps, d.maps, dims, strict=True)) for o, odims in others)
 
 
-def _join(al: list[tuple[Dep, tuple[int, ...]]], ndim: int, additive: bool, name: str, book: Book,
+def _join(al: list[tuple[Dep, tuple[int, ...]]], out: tuple[int, ...], additive: bool, name: str, book: Book,
           grad: bool) -> Dep:
     kinds = {d.kind for d, _ in al}
     if SEP in kinds:
@@ -193,7 +253,7 @@ def _join(al: list[tuple[Dep, tuple[int, ...]]], ndim: int, additive: bool, name
     sample_dims: dict[int, Any] = {}
     for d, dims in al:
         for x, m in zip(dims, d.maps, strict=True):
-            if x in sample_dims and sample_dims[x] != m:
+            if x in sample_dims and not same_map(sample_dims[x], m, out[x]):
                 if additive and kinds == {ROWS}:  # f(Y_r) + g(Y_s): still a sum of one-sample terms
                     return Dep(SEP, grad, book)
                 return coupled(book, grad, f"{name} of rows of different samples (in another order)",
@@ -211,9 +271,9 @@ def _join(al: list[tuple[Dep, tuple[int, ...]]], ndim: int, additive: bool, name
 
 
 def reduce(d: Dep, ndim: int, dims: tuple[int, ...] | None, keepdim: bool, linear: bool, name: str) -> Dep:
-    """A reduction of a tensor of ``ndim`` dimensions over ``dims`` (``None``: all), linear (sum, mean) or not
-    (log-sum-exp, max, norm, variance, ...)."""
-    red = set(range(ndim)) if dims is None else {x % ndim if ndim else 0 for x in dims}
+    """A reduction of a tensor of ``ndim`` dimensions over ``dims`` (``None`` or empty: all, as torch does), linear
+    (sum, mean) or not (log-sum-exp, max, norm, variance, ...)."""
+    red = set(range(ndim)) if not dims else {x % ndim if ndim else 0 for x in dims}
     if d.kind in (SEP, COUPLED, ONE):
         return d if (linear or d.kind != SEP) else coupled(d.book, d.grad, f"{name} of a sum over samples", d)
     hit = [x for x in d.dims if x in red]
@@ -255,15 +315,21 @@ def reshape(d: Dep, old: tuple[int, ...], new: tuple[int, ...]) -> Dep | None:
     x = d.dims[0]
     if _prod(old[:x]) != 1:
         return None
-    base, block, offset = d.maps[0]
-    q = block * _prod(old[x + 1:])  # elements per sample (the first sample's may start at an offset)
     k = 0
     while k < len(new) - 1 and new[k] == 1:
         k += 1
     if not new:
         return Dep(ONE, d.grad, d.book, (), (one_from_row(d.maps[0], 0),))
     s = _prod(new[k + 1:])  # elements per index of new dimension k
-    start = offset * (q // block)  # element e belongs to sample (e + start) // q
+    inner = _prod(old[x + 1:])  # elements per old row
+    m = d.maps[0]
+    if len(m) == 2:  # an explicit map: new rows within old rows only
+        if not s or inner % s or new[k] > MAX_ROWS:
+            return None
+        return Dep(ROWS, d.grad, d.book, (k,), (explicit(m[0], [m[1][(i * s) // inner] for i in range(new[k])]),))
+    base, block, offset = m
+    q = block * inner  # elements per sample (the first sample's may start at an offset)
+    start = offset * inner  # element e belongs to sample (e + start) // q
     if s and q % s == 0 and start % s == 0:
         return Dep(ROWS, d.grad, d.book, (k,), ((base, q // s, start // s),))
     return None  # a row holding parts of several samples: not followed
@@ -282,8 +348,8 @@ def contract(specs: list[tuple[Dep | None, str]], out: str, name: str,
     optionally its shape): the sample dimensions follow their letters; a letter of samples summed over gives a sum
     over samples (``SEP``) when it is the only one, and couples them when other samples remain. A sample dimension
     of size 1 broadcast against a larger one (a batched product's leading dimension) is one sample's value."""
+    size: dict[str, int] = {}
     if shapes is not None:
-        size: dict[str, int] = {}
         for (_, s), shape in zip(specs, shapes, strict=True):
             for c, n in zip(s, shape, strict=True):
                 size[c] = max(size.get(c, 1), int(n))
@@ -306,7 +372,7 @@ def contract(specs: list[tuple[Dep | None, str]], out: str, name: str,
         if d.kind == ONE:
             continue
         for x, m in zip(d.dims, d.maps, strict=True):
-            if letters.get(s[x], m) != m:
+            if s[x] in letters and not same_map(letters[s[x]], m, size.get(s[x], MAX_ROWS + 1)):
                 return coupled(book, grad, f"{name} of rows of different samples", d)
             letters[s[x]] = m
     if ones:

@@ -57,7 +57,20 @@ from typing import Any
 import torch
 
 from fastdp import torch_api
-from fastdp.loss_deps import COUPLED, ONE, PAIRS, ROWS, Book, Dep, output_dep
+from fastdp.loss_deps import (
+    COUPLED,
+    ONE,
+    PAIRS,
+    ROWS,
+    Book,
+    Dep,
+    combine,
+    data,
+    one_from_row,
+    output_dep,
+    reduce,
+    same_map,
+)
 from fastdp.loss_trace_rules import ALIASES, CONST, RULES
 from fastdp.probe import StructureError
 
@@ -71,7 +84,7 @@ _PASS = frozenset({"__repr__", "__format__", "__str__", "numpy", "tolist", "item
                    "register_hook", "retain_grad", "grad", "grad_fn", "is_leaf", "requires_grad", "shape", "dtype",
                    "device", "_version", "__reduce_ex__", "__setstate__", "__getstate__", "data_ptr", "storage",
                    "untyped_storage", "element_size", "stride", "storage_offset", "is_contiguous", "__dlpack__",
-                   "__array__", "__iter__", "__deepcopy__", "_base", "layout", "names"})
+                   "__array__", "__iter__", "__deepcopy__", "layout", "names"})
 
 
 class Traced(torch.Tensor):
@@ -94,12 +107,18 @@ class Traced(torch.Tensor):
         name = _name(func)
         if name == "backward":
             _on_backward(args, kwargs)
+        elif name == "register_hook" and len(args) > 1:
+            args = (args[0], _guard_hook(args[0], args[1])) + tuple(args[2:])
         with torch_api.torch_function_subclasses_off():
             res = func(*args, **kwargs)
         if name == "__setitem__":
             _on_setitem(args)
         elif name == "__bool__":
             _on_branch(args[0])
+        elif name == "_base" and res is not None:  # the tensor a traced view was taken from: not followed
+            for book in _books(args, kwargs):
+                book.unknown.add("_base of a traced view")
+            return res
         if name in _PASS or name == "backward" or not _has_tensor(res) or torch.compiler.is_compiling():
             return _plain(res, args)
         return _follow(name, args, kwargs, res)
@@ -119,6 +138,44 @@ def _name(func: Any) -> str:
     if name == "__get__":  # a property getter (t.T, t.data)
         return getattr(getattr(func, "__self__", None), "__name__", "")
     return name
+
+
+def _check_gradient_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A traced value made by a custom ``autograd.Function`` (its forward ran without autograd, so the trace saw
+    data; its backward, which may combine samples, is not followed): the pass is unverified."""
+    with torch_api.torch_function_subclasses_off():
+        for a in list(args) + list(kwargs.values()):
+            for x in (a if isinstance(a, (list, tuple)) else (a,)):
+                d = dep_of(x)
+                if d is not None and isinstance(x.grad_fn, torch.autograd.function.BackwardCFunction):
+                    d.book.unknown.add("a gradient path the trace does not follow (a custom autograd Function)")
+
+
+def _guard_hook(t: Traced, hook: Any) -> Any:
+    """``register_hook`` on a traced tensor. On a model output: the hook wrapped so that it raises if it changes the
+    gradient (the engine reads each layer's output gradient before such a hook runs: its per-sample gradients would
+    miss the change, and a hook that combines samples would break the guarantee). On another traced tensor: the
+    pass is unverified (the hook may combine samples)."""
+    d = dep_of(t)
+    if d is None:
+        return hook
+    if not getattr(t, "_fdp_output", False):
+        d.book.unknown.add("a gradient hook on a traced tensor")
+        return hook
+
+    def guarded(g: torch.Tensor) -> Any:
+        before = g.detach().clone()
+        out = hook(g)
+        if (out is not None and out is not g) or not torch.equal(g.detach(), before):
+            raise RuntimeError(
+                "a gradient hook registered on the model's output changed its gradient. The engine reads each "
+                "layer's output gradient before such a hook runs, so its per-sample gradients would not include the "
+                "change (and a hook that combines samples, e.g. normalising over the batch, would break the privacy "
+                "guarantee). Change the loss instead (scale the output, or add the term to the loss); a hook that "
+                "only reads the gradient is fine. Nothing of this backward pass is released.")
+        return out
+
+    return guarded
 
 
 def _on_setitem(args: tuple[Any, ...]) -> None:
@@ -173,16 +230,20 @@ def _rebuild(res: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
 
 def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) -> Any:
     name = ALIASES.get(name, name)
+    _check_gradient_paths(args, kwargs)
     rule = RULES.get(name)
     deps = None
     if rule is not None and kwargs.get("out") is None:
         try:
-            deps = rule(name, args, kwargs, res, dep_of)
+            with torch_api.torch_function_subclasses_off():  # a rule's own torch calls are not traced
+                deps = rule(name, args, kwargs, res, dep_of)
         except Exception as e:  # a rule that cannot read these arguments: unverified, never an error of the loss
             logger.debug("loss trace: the rule of %s raised %r", name, e)
             deps = None
     if deps is CONST:
         return _plain(res, args)
+    if deps is not None and not torch.is_grad_enabled():  # no gradient path (no_grad, a custom Function's forward)
+        deps = tuple(data(d) if isinstance(d, Dep) else d for d in deps) if isinstance(deps, tuple) else data(deps)
     if deps is None:
         for book in _books(args, kwargs):
             book.unknown.add(name)
@@ -222,13 +283,21 @@ def _stale_views(t: Traced, new: Dep) -> bool:
     """Whether an in-place write into traced ``t`` may leave other tensors' ``Dep`` wrong: ``t`` is a view (its base
     changed too: ``x[0] += x[1]``), or its dependence changed (views of ``t`` taken before keep the old one)."""
     old = dep_of(t)
-    return t._is_view() or old is None or (old.kind, old.dims, old.maps) != (new.kind, new.dims, new.maps)
+    return getattr(t, "_fdp_view", True) or old is None or (
+        (old.kind, old.dims, old.maps) != (new.kind, new.dims, new.maps))
 
 
 def _wrap(t: torch.Tensor, dep: Dep, args: tuple[Any, ...] = ()) -> torch.Tensor:
     if any(t is a for a in args) and not isinstance(t, Traced):
         return t  # an untraced tensor written in place with traced values
-    out = t if isinstance(t, Traced) else t.as_subclass(Traced)
+    if dep.kind == ROWS and t.shape[dep.dims[0]] == 1:  # one row: one sample's value (x[i:i+1])
+        dep = Dep(ONE, dep.grad, dep.book, (), (one_from_row(dep.maps[0], 0),))
+    if isinstance(t, Traced):
+        out = t
+    else:
+        view = t._is_view()  # (the alias made here is a view of t: whether t itself is a view of another tensor)
+        out = t.as_subclass(Traced)
+        out._fdp_view = view
     out._fdp_dep = dep
     return out
 
@@ -270,7 +339,9 @@ def _outputs(out: Any, B: int, book: Book, depth: int = 0) -> tuple[Any, int]:
     if isinstance(out, torch.Tensor):
         if (not isinstance(out, Traced) and out.is_floating_point() and out.requires_grad and out.dim() >= 1
                 and out.shape[0] == B):
-            return _wrap(out, output_dep(book)), 1
+            traced = _wrap(out, output_dep(book))
+            traced._fdp_output = True  # a model output itself (fastdp.loss_trace._guard_hook)
+            return traced, 1
         return out, 0
     if depth >= _DEPTH:
         return out, 0
@@ -325,7 +396,8 @@ def plain_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
         if isinstance(x, Traced):
             found = True
             d = dep_of(x)
-            if d is not None and not (d.kind == ROWS and d.dims == (0,) and d.maps == ((d.book, 1, 0),)):
+            if d is not None and not (d.kind == ROWS and d.dims == (0,) and same_map(d.maps[0], (d.book, 1, 0),
+                                                                                     x.shape[0])):
                 d.book.unknown.add("a traced value of several samples fed back into the model")
             with torch_api.torch_function_subclasses_off():
                 return x.as_subclass(torch.Tensor)
@@ -343,13 +415,22 @@ def plain_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
 def _on_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """``backward`` called on traced tensors: each one's ``Dep`` is its pass's verdict."""
     roots = args[0] if args else kwargs.get("tensors")
-    for t in roots if isinstance(roots, (list, tuple)) else (roots,):
+    grads = args[1] if len(args) > 1 else kwargs.get("gradient", kwargs.get("grad_tensors"))
+    roots = list(roots) if isinstance(roots, (list, tuple)) else [roots]
+    grads = list(grads) if isinstance(grads, (list, tuple)) else [grads] * len(roots)
+    for t, g in zip(roots, grads, strict=False):
         d = dep_of(t)
         if d is None:
             continue
         state = d.book.state() if getattr(d.book, "state", None) is not None else None
         if state is None:
             continue
+        _check_gradient_paths((t,), {})
+        if isinstance(t, torch.Tensor) and t.dim() > 0:  # backward(gradient=w): the loss is sum(w * t)
+            gd = dep_of(g)
+            if gd is not None:
+                d = combine([(d, tuple(t.shape)), (gd, tuple(g.shape))], tuple(t.shape), False, "backward(gradient=)")
+            d = reduce(d, t.dim(), None, False, True, "backward(gradient=)")
         d.book.closed = True
         state.pending.append((d, d.book, frozenset(state.sigs.pop(id(d.book), ()))))
 

@@ -18,10 +18,15 @@ import torch
 
 from fastdp.loss_deps import (
     COUPLED,
+    ONE,
+    PAIRS,
+    ROWS,
+    SEP,
     Dep,
     along,
     combine,
     contract,
+    coupled,
     data,
     reduce,
     unary,
@@ -32,9 +37,11 @@ from fastdp.loss_trace_shapes import (
     rule_concat,
     rule_expand,
     rule_getitem,
+    rule_masked_select,
     rule_masking,
     rule_pad,
     rule_permute,
+    rule_repeat,
     rule_reshape,
     rule_select,
 )
@@ -42,7 +49,7 @@ from fastdp.loss_trace_shapes import (
 DepOf = Callable[[Any], Dep | None]
 Rule = Callable[[str, tuple[Any, ...], dict[str, Any], Any, DepOf], Any]
 
-_LINEAR = {"neg", "negative", "positive", "clone", "contiguous", "to", "float", "double", "half", "bfloat16",
+_LINEAR = {"neg", "negative", "positive", "clone", "contiguous", "to", "float", "double", "half", "bfloat16", "type",
            "type_as", "cpu", "cuda", "requires_grad_", "conj", "resolve_conj", "resolve_neg", "__neg__", "__pos__",
            "real"}
 _NONLINEAR = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sigmoid", "tanh", "relu", "relu6", "abs",
@@ -50,17 +57,17 @@ _NONLINEAR = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sigmoid"
               "acos", "erf", "erfc", "erfinv", "clamp", "clip", "clamp_min", "clamp_max", "nan_to_num", "lgamma",
               "digamma", "logit", "softplus", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu",
               "hardtanh", "logsigmoid", "hardsigmoid", "hardswish", "tanhshrink", "softsign", "dropout",
-              "threshold", "__abs__", "sigmoid_", "pow", "__pow__", "float_power", "frac"}
+              "threshold", "__abs__", "sigmoid_", "pow", "__pow__", "float_power", "frac", "entr"}
 _DATA_UNARY = {"sign", "sgn", "floor", "ceil", "round", "trunc", "isnan", "isinf", "isfinite", "isposinf",
                "isneginf", "signbit", "logical_not", "__invert__", "bool", "long", "int", "short", "byte", "char",
                "detach", "data"}
-_CONSTANT = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
-             "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "size", "dim", "numel"}
+_CONSTANT = {"zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "randint_like", "new_zeros",
+             "new_ones", "new_empty", "size", "dim", "numel"}
 _INPLACE_DUNDER = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__", "__itruediv__": "__truediv__"}
 #: a rule's answer for a result that does not depend on the samples (it is left untraced; the pass stays verified)
 CONST = "const"
 _ADDITIVE = {"add", "sub", "subtract", "rsub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__"}
-_MULTIPLICATIVE = {"mul", "multiply", "__mul__", "__rmul__", "__imul__", "masked_fill", "addcmul", "lerp"}
+_MULTIPLICATIVE = {"mul", "multiply", "__mul__", "__rmul__", "__imul__", "addcmul", "lerp"}
 _DIVISION = {"div", "divide", "true_divide", "__truediv__", "__itruediv__"}  # nonlinear in the divisor
 _NONLINEAR_BINARY = {"__rtruediv__", "__rpow__", "maximum", "minimum", "fmax", "fmin", "atan2", "xlogy", "hypot",
                      "logaddexp",
@@ -73,7 +80,8 @@ _LINEAR_REDUCE = {"sum", "mean", "nansum", "nanmean"}
 _NONLINEAR_REDUCE = {"logsumexp", "amax", "amin", "std", "var", "prod", "norm", "vector_norm", "nanmedian",
                      "median", "max", "min"}
 _DATA_REDUCE = {"all", "any", "count_nonzero", "argmax", "argmin"}
-_ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "normalize", "argsort", "gumbel_softmax"}
+_ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "normalize", "argsort", "gumbel_softmax",
+          "softmin"}
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum", "linear", "inner", "dot", "vdot", "outer",
            "ger", "mv"}
 _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
@@ -82,7 +90,8 @@ _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binar
 _CLASS_LOSSES = {"cross_entropy", "nll_loss", "multi_margin_loss", "multilabel_margin_loss",
                  "multilabel_soft_margin_loss"}
 _DIM_POS = {"norm": 2, "vector_norm": 2, "normalize": 2, "kthvalue": 2, "topk": 2}  # dim's position
-_DIM_DEFAULT = {"normalize": 1, "sort": -1, "argsort": -1, "topk": -1, "gumbel_softmax": -1}
+_DIM_DEFAULT = {"normalize": 1, "sort": -1, "argsort": -1, "topk": -1, "gumbel_softmax": -1, "kthvalue": -1,
+                "mode": -1, "softmin": None}
 
 
 def _tensors(args: Any) -> list[Any]:
@@ -119,11 +128,12 @@ def _elementwise(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
 
 
 def _where(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
-    """``torch.where(cond, a, b)`` (``a.where(cond, b)``): each element is ``a``'s or ``b``'s, so the values
-    combine as a sum does (a detached value of other samples only shifts); ``cond`` weighs, as a factor does."""
+    """``torch.where(cond, a, b)`` (``a.where(cond, b)``, ``a.masked_fill(cond, b)``): each element is ``a``'s or
+    ``b``'s, so the values combine as a sum does (a detached value of other samples only shifts); ``cond`` weighs, as
+    a factor does."""
     ts = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
     conds = [t for t in ts if t.dtype == torch.bool]
-    if len(ts) != 3 or len(conds) != 1 or not isinstance(res, torch.Tensor):
+    if len(ts) < 2 or len(conds) != 1 or not isinstance(res, torch.Tensor):  # torch.where(cond, x, 0.0) too
         return None
     cond = conds[0]
     values = [t for t in ts if t is not cond]
@@ -150,10 +160,13 @@ def _reduce(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
         return _elementwise("maximum", args, kwargs, res, dep)
     pos = _DIM_POS.get(base, 1)
     try:
-        dims = dims_arg(arg(args, kwargs, pos, "dim"))
+        dims = dims_arg(arg(args, kwargs, pos, "dim", _DIM_DEFAULT.get(base)))
     except TypeError:
         return None
-    keepdim = bool(arg(args, kwargs, pos + 1, "keepdim", False))
+    # std/var(x, dim, unbiased, keepdim): a positional bool after dim is `unbiased`
+    kpos = pos + 2 if base in {"std", "var", "std_mean", "var_mean"} and len(args) > pos + 1 and isinstance(
+        args[pos + 1], bool) else pos + 1
+    keepdim = bool(arg(args, kwargs, kpos, "keepdim", False))
     if base in _DATA_REDUCE:
         return _data(reduce(d, x.dim(), dims, keepdim, True, name))
     r = reduce(d, x.dim(), dims, keepdim, base in _LINEAR_REDUCE, name)
@@ -183,6 +196,40 @@ def _along(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, d
 
 def _constant(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> str:
     return CONST
+
+
+def _one_hot(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """``F.one_hot(x)``: data, one more (trailing) dimension; the sample dimensions stay."""
+    d = dep(args[0])
+    return None if d is None else data(d)
+
+
+def _normalised(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """``F.layer_norm(x, shape)`` normalises over the last ``len(shape)`` dimensions, ``F.group_norm(x, groups)``
+    over each sample's dimensions 1.. (dimension 0 is the batch): over a sample dimension, samples are combined."""
+    x = args[0]
+    d = dep(x)
+    if d is None or any(dep(t) is not None for t in list(args[1:]) + list(kwargs.values())
+                        if isinstance(t, torch.Tensor)):
+        return None
+    if name == "layer_norm":
+        k = len(arg(args, kwargs, 1, "normalized_shape"))
+        dims = tuple(range(x.dim() - k, x.dim()))
+    else:
+        dims = tuple(range(1, x.dim()))
+    if d.kind in (ROWS, PAIRS) and any(k in d.dims for k in dims):
+        return coupled(d.book, d.grad, f"{name} over the samples (the batch dimension)", d)
+    return unary(d, False, name)
+
+
+def _full(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """``full_like(x, v)`` / ``x.new_full(size, v)``: constant, unless the fill value ``v`` is a traced scalar (its
+    value everywhere: data)."""
+    fill = arg(args, kwargs, 2 if name == "new_full" else 1, "fill_value")
+    d = dep(fill)
+    if d is None:
+        return CONST
+    return data(d) if d.kind in (ONE, SEP, COUPLED) else None
 
 
 def _matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
@@ -291,6 +338,18 @@ def _pair_fn(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any,
         return contract([(unary(dep(a), False, name) if dep(a) else None, "ik"),
                          (unary(dep(b), False, name) if dep(b) else None, "jk")], "ij", name,
                         [tuple(a.shape), tuple(b.shape)])
+    if name in {"cosine_embedding_loss", "triplet_margin_loss"}:  # per pair first: (B, D) -> (B,), then a target
+        pairs = [(t, dep(t)) for t in ts if t.dim() >= 2]
+        target = [(t, dep(t)) for t in ts if t.dim() < 2 and dep(t) is not None]
+        if not pairs:
+            return None
+        out = tuple(torch.broadcast_shapes(*[t.shape for t, _ in pairs]))
+        r = combine([(unary(d, False, name), tuple(t.shape)) for t, d in pairs if d is not None], out, False, name)
+        r = reduce(r, len(out), (-1,), False, False, name)
+        if target:
+            r = combine([(r, out[:-1])] + [(d, tuple(t.shape)) for t, d in target], out[:-1], False, name)
+        reduction = kwargs.get("reduction", "mean")
+        return r if reduction == "none" else reduce(r, len(out) - 1, None, False, True, name)
     out = tuple(torch.broadcast_shapes(*[t.shape for t in ts]))
     n = len(out)
     r = combine([(unary(d, False, name), k) for d, k in traced], out, False, name)
@@ -299,9 +358,7 @@ def _pair_fn(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any,
         return reduce(r, n, (dim,), False, False, name)
     if name == "pairwise_distance":
         return reduce(r, n, (-1,), bool(kwargs.get("keepdim", False)), False, name)
-    r = reduce(r, n, (-1,) if n >= 2 else None, False, False, name)
-    reduction = kwargs.get("reduction", "mean")
-    return r if reduction == "none" else reduce(r, max(n - 1, 0), None, False, True, name)
+    return None
 
 
 RULES: dict[str, Rule] = {}
@@ -325,8 +382,13 @@ for _names, _rule in (
         ({"cosine_similarity", "pairwise_distance", "cosine_embedding_loss", "triplet_margin_loss", "cdist"},
          _pair_fn),
         ({"pad"}, rule_pad),
-        ({"where"}, _where),
+        ({"where", "masked_fill"}, _where),
         (_CONSTANT, _constant),
+        ({"full_like", "new_full"}, _full),
+        ({"one_hot"}, _one_hot),
+        ({"masked_select"}, rule_masked_select),
+        ({"repeat"}, rule_repeat),
+        ({"layer_norm", "group_norm"}, _normalised),
         ({"tril", "triu", "flip", "roll", "fill_diagonal_"}, rule_masking),
 ):
     for _n in _names:
@@ -337,4 +399,5 @@ for _names, _rule in (
 ALIASES = {"linalg_vector_norm": "vector_norm", "linalg_norm": "norm", "special_xlogy": "xlogy",
            "special_expit": "sigmoid", "special_logsumexp": "logsumexp", "special_logit": "logit",
            "special_log_softmax": "log_softmax", "special_softmax": "softmax", "special_erf": "erf",
-           "special_log1p": "log1p", "special_expm1": "expm1", "special_exp2": "exp2"}
+           "special_log1p": "log1p", "special_expm1": "expm1", "special_exp2": "exp2", "special_entr": "entr",
+           "log_sigmoid": "logsigmoid"}

@@ -4,14 +4,14 @@ concatenation, padding (how their results depend on the samples).
 Part of the loss trace's table (:mod:`fastdp.loss_trace_rules` registers them; the algebra is
 :mod:`fastdp.loss_deps`). A rule receives the arguments, the result and ``dep(x)`` and returns the result's
 ``Dep`` (a tuple of them for a tuple result) or ``None`` where it cannot follow the samples. Selecting rows keeps
-each row one sample's: the new rows get a row map that says which (:func:`fastdp.loss_deps.narrow_map` for a range,
-:func:`fastdp.loss_deps.selected` keyed by the index's content otherwise), so the same selection twice gives the
-same rows.
+each row one sample's: the new rows get a row map that says which sample each row is
+(:func:`fastdp.loss_deps.narrow_map` for a range, :func:`fastdp.loss_deps.take_map` for an index or a mask, read on
+the host in the traced passes), so that selections of the same samples give the same rows however they are written
+(``x[mask]`` and ``x[mask.nonzero()]``, ``x[1:3]`` and ``x[[1, 2]]``, ``x[idx][inverse]`` and ``x``).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -19,17 +19,21 @@ import torch
 
 from fastdp.loss_deps import (
     COUPLED,
+    MAX_ROWS,
     ONE,
     PAIRS,
     ROWS,
     SEP,
     Dep,
     combine,
+    concat_maps,
+    explicit,
     narrow_map,
     one_from_row,
     permute,
     reshape,
-    selected,
+    same_map,
+    take_map,
 )
 
 DepOf = Callable[[Any], Dep | None]
@@ -105,29 +109,20 @@ def rule_expand(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
     return d
 
 
-def content(t: torch.Tensor) -> tuple[Any, ...]:
-    """A key for an index tensor's content (shape, dtype, digest): equal selections give equal row maps. A host
-    read, on the traced passes only."""
-    with torch.no_grad():
-        raw = t.detach().to("cpu").contiguous().view(-1)
-        return (tuple(t.shape), str(t.dtype), hashlib.sha1(raw.numpy().tobytes()).hexdigest())
-
-
 def _rows_of(t: torch.Tensor, d: Dep, dim: int, index: Any) -> Any:
-    """The row map after selecting rows ``index`` (a slice or a 1-D index tensor) of sample dimension ``dim``."""
+    """The row map after selecting rows ``index`` (a slice or a 1-D integer index tensor: read on the host, in the
+    traced passes only) of sample dimension ``dim``; ``None`` where it is not followed."""
     m = d.maps[d.dims.index(dim)]
     n = t.shape[dim]
     if isinstance(index, slice):
         start, stop, step = index.indices(n)
         if step == 1:
             return narrow_map(m, start, max(0, stop - start))
-        return selected(m, "slice", start, stop, step)
-    if isinstance(index, torch.Tensor) and index.dtype != torch.bool and index.dim() == 1 and index.numel() <= n:
-        with torch.no_grad():
-            ar = torch.arange(index.numel(), device=index.device)
-            if bool(torch.equal(index.to(ar.dtype), ar)):
-                return narrow_map(m, 0, index.numel())
-    return selected(m, "index", content(index)) if isinstance(index, torch.Tensor) else None
+        return take_map(m, list(range(start, stop, step)), n)
+    if isinstance(index, torch.Tensor) and not index.dtype.is_floating_point and index.dtype != torch.bool \
+            and index.dim() == 1 and index.numel() <= MAX_ROWS:
+        return take_map(m, index.tolist(), n)
+    return None
 
 
 def rule_getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
@@ -188,16 +183,17 @@ def rule_getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
 
 
 def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any) -> Dep | None:
-    """Advanced indexing (masks, several index tensors, adjacent): the result's rows along the first indexed
-    dimension each hold one sample when the batch dimension is among those indexed (the same rows when its index is
-    ``arange``, as in ``logp[torch.arange(B), y]``; a fresh row map otherwise), and stay where they are when the
+    """Advanced indexing (adjacent index tensors). When the batch dimension is among the indexed ones, the result's
+    dimension ``first`` holds the selected elements, each one sample's: for one boolean mask, the True positions in
+    order (their batch coordinates read on the host); for 1-D integer index tensors of one length, the batch
+    dimension's index. Any other form (broadcast index shapes) is not followed. Rows stay where they are when the
     batch dimension comes before the indexed ones."""
     if d.kind != ROWS:
         return None
     x_dim = 0
     first = None
     span: list[int] = []
-    at_batch = None
+    tensors = []
     for i in idx:
         if i is None:
             return None
@@ -207,24 +203,45 @@ def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any) -> Dep | None:
                 return None  # advanced indices apart: torch moves their dimensions first
             first = x_dim if first is None else first
             span.extend(range(x_dim, x_dim + n))
-            if x_dim == d.dims[0] and n == 1:
-                at_batch = i
+            tensors.append((x_dim, i))
         x_dim += n
     if first is None:
         return None
-    if d.dims[0] < first:
+    b = d.dims[0]
+    if b < first:
         return Dep(ROWS, d.grad, d.book, d.dims, d.maps) if res.dim() == x.dim() - len(span) + 1 else None
-    if d.dims[0] in span:
-        m = None
-        lengths = {i.numel() for i in idx if isinstance(i, torch.Tensor)}
-        if at_batch is not None and at_batch.dim() == 1 and len(lengths) == 1 and all(
-                i.dim() == 1 for i in idx if isinstance(i, torch.Tensor)):
-            m = _rows_of(x, d, d.dims[0], at_batch)
-        if m is None:  # a mask over the batch and other dimensions, several index tensors: keyed by their content
-            m = selected(d.maps[0], "advanced", d.dims[0] - first, tuple(
-                content(i) if isinstance(i, torch.Tensor) else repr(i) for i in idx))
-        return Dep(ROWS, d.grad, d.book, (first,), (m,))
-    return None
+    if b not in span:
+        return None
+    m, rows = d.maps[0], x.shape[b]
+    if len(tensors) == 1 and tensors[0][1].dtype == torch.bool:
+        start, mask = tensors[0]
+        if mask.numel() > MAX_ROWS:
+            return None
+        coords = mask.nonzero()[:, b - start].tolist()
+    elif all(t.dtype != torch.bool for _, t in tensors):
+        # integer index tensors broadcast to one shape S; the batch dimension's index must vary along one axis a of
+        # S only (x[arange(B)[:, None], pos]): the samples then run along result dimension first + a
+        at = next((t for pos, t in tensors if pos == b), None)
+        try:
+            shape = torch.broadcast_shapes(*[t.shape for _, t in tensors])
+        except RuntimeError:
+            return None
+        if at is None or at.numel() > MAX_ROWS or len(shape) == 0:
+            return None
+        full = at.expand(shape)
+        axes = [a for a in range(len(shape)) if shape[a] > 1 and at.dim() - len(shape) + a >= 0
+                and at.shape[at.dim() - len(shape) + a] > 1]
+        if len(axes) > 1:
+            return None
+        a = axes[0] if axes else 0
+        line = full.movedim(a, 0).reshape(shape[a], -1)[:, 0]
+        coords = line.tolist()
+        new = take_map(m, coords, rows)
+        return None if new is None else Dep(ROWS, d.grad, d.book, (first + a,), (new,))
+    else:
+        return None
+    new = take_map(m, coords, rows)
+    return None if new is None else Dep(ROWS, d.grad, d.book, (first,), (new,))
 
 
 def rule_select(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
@@ -287,7 +304,8 @@ def rule_select(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
         d1 = arg(args, kwargs, 2, "dim1", 0) % n if name == "diagonal" else 0
         d2 = arg(args, kwargs, 3, "dim2", 1) % n if name == "diagonal" else 1
         rest = [k for k in range(n) if k not in (d1, d2)]
-        if d.kind == PAIRS and set(d.dims) == {d1, d2} and off == 0 and d.maps[0] == d.maps[1]:
+        if d.kind == PAIRS and set(d.dims) == {d1, d2} and off == 0 and same_map(d.maps[0], d.maps[1],
+                                                                                  min(x.shape[d1], x.shape[d2])):
             return Dep(ROWS, d.grad, d.book, (res.dim() - 1,), (d.maps[0],))
         if d.kind == ROWS and d.dims[0] in (d1, d2) and off == 0:
             return Dep(ROWS, d.grad, d.book, (res.dim() - 1,), d.maps)
@@ -298,6 +316,9 @@ def rule_select(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
 
 
 def rule_concat(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
+    """``torch.stack`` / ``torch.cat``. Along the sample dimension (or stacking one-sample values) the result's rows
+    are the operands' rows in order (:func:`fastdp.loss_deps.concat_maps`: the batch's pieces give the batch's map
+    back); along another dimension the operands combine as a sum does."""
     ts = list(arg(args, kwargs, 0, "tensors"))
     dim = arg(args, kwargs, 1, "dim", 0)
     traced = [(t, dep(t)) for t in ts if dep(t) is not None]
@@ -305,27 +326,69 @@ def rule_concat(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
         return None
     n = res.dim()
     dim %= n
+    grad = any(d.grad for _, d in traced)
+    book = traced[0][1].book
     if name == "stack":
-        ones = [d for _, d in traced if d.kind == ONE]
-        if len(ones) == len(ts) == len(traced) and dim == 0:
-            samples = [d.maps[0] for d in ones]
-            book = ones[0].book
-            if all(s == (book, r) for r, s in enumerate(samples)):
-                return Dep(ROWS, any(d.grad for d in ones), book, (0,), ((book, 1, 0),))
-            return Dep(ROWS, any(d.grad for d in ones), book, (0,), ((("stack", tuple(samples)), 1, 0),))
+        if len(traced) == len(ts) and all(d.kind == ONE and d.maps[0][0] is book for _, d in traced):
+            return Dep(ROWS, grad, book, (dim,), (explicit(book, [d.maps[0][1] for _, d in traced]),))
         if len(traced) == len(ts) and len({(d.kind, d.dims, d.maps) for _, d in traced}) == 1 and (
                 traced[0][1].kind in (ROWS, PAIRS)):
             d = traced[0][1]
-            return Dep(d.kind, any(e.grad for _, e in traced), d.book, tuple(k + (k >= dim) for k in d.dims), d.maps)
+            return Dep(d.kind, grad, d.book, tuple(k + (k >= dim) for k in d.dims), d.maps)
         return combine([(d, tuple(t.shape[:dim]) + (1,) + tuple(t.shape[dim:])) for t, d in traced],
                        tuple(res.shape), True, name)  # stacked: separate values
-    first = traced[0][1]
-    if first.kind == ROWS and dim in first.dims:
-        if all(d.kind == ROWS and d.dims == first.dims for _, d in traced) and len(traced) == len(ts):
-            parts = tuple((d.maps[0], t.shape[dim]) for t, d in traced)
-            return Dep(ROWS, any(d.grad for _, d in traced), first.book, first.dims, ((("cat", parts), 1, 0),))
-        return None
+    along_rows = [d.kind == ROWS and dim in d.dims for _, d in traced]
+    if any(along_rows):
+        if len(traced) != len(ts) or not all(
+                (d.kind == ROWS and d.dims == (dim,)) or (d.kind == ONE and d.maps[0][0] is book) for _, d in traced):
+            return None
+        parts = [(d.maps[0], t.shape[dim]) if d.kind == ROWS else (explicit(book, [d.maps[0][1]] * t.shape[dim]),
+                                                                    t.shape[dim]) for t, d in traced]
+        m = concat_maps(parts)
+        return None if m is None else Dep(ROWS, grad, book, (dim,), (m,))
+    if len(traced) == len(ts) and all(d.kind == ONE and d.maps[0][0] is book for _, d in traced) and dim == 0 and (
+            len({d.maps[0] for _, d in traced}) > 1):
+        parts = [(explicit(book, [d.maps[0][1]] * t.shape[0]), t.shape[0]) for t, d in traced]
+        m = concat_maps(parts)  # one-sample values joined along dimension 0: rows of those samples
+        return None if m is None else Dep(ROWS, grad, book, (0,), (m,))
     return combine([(d, tuple(t.shape)) for t, d in traced], tuple(res.shape), True, name)
+
+
+def rule_masked_select(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """``x.masked_select(mask)``: the elements at the True positions of ``mask`` broadcast to ``x``, in order, each
+    one sample's (the positions read on the host)."""
+    x, mask = args[0], arg(args, kwargs, 1, "mask")
+    d = dep(x)
+    if d is None or dep(mask) is not None or d.kind != ROWS or x.numel() > MAX_ROWS:
+        return None
+    coords = mask.expand(x.shape).nonzero()[:, d.dims[0]].tolist()
+    m = take_map(d.maps[0], coords, x.shape[d.dims[0]])
+    return None if m is None else Dep(ROWS, d.grad, d.book, (0,), (m,))
+
+
+def rule_repeat(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """``x.repeat(*sizes)``: leading new dimensions shift the sample dimensions; repeating along one tiles its
+    rows."""
+    x = args[0]
+    d = dep(x)
+    sizes = args[1:] if len(args) > 2 or isinstance(arg(args, kwargs, 1, "repeats"), int) else arg(args, kwargs, 1,
+                                                                                                    "repeats")
+    if d is None or not isinstance(res, torch.Tensor):
+        return None
+    if d.kind in (SEP, COUPLED, ONE):
+        return d
+    if d.kind != ROWS:
+        return None
+    sizes = [int(v) for v in sizes]
+    off = len(sizes) - x.dim()
+    b = d.dims[0]
+    n = x.shape[b]
+    m = d.maps[0]
+    if sizes[b + off] != 1:
+        m = take_map(m, list(range(n)) * sizes[b + off], n)
+        if m is None:
+            return None
+    return Dep(ROWS, d.grad, d.book, (b + off,), (m,))
 
 
 def rule_pad(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:

@@ -87,6 +87,7 @@ TEACHER = torch.randn(B, T, V, generator=_g, dtype=torch.float64)
 MASK = torch.tensor([[True, True, False, True], [False, True, True, True], [True, False, False, True],
                      [True, True, True, False], [False, False, True, True]])
 SUBSET = torch.tensor([0, 2, 3])
+POS = torch.randint(0, T, (B, 2), generator=_g)
 
 
 def _pool(y):
@@ -126,6 +127,31 @@ SEPARABLE = {
     "index_select twice": lambda o: (o.index_select(0, SUBSET).softmax(-1) * o.index_select(0, SUBSET)).sum(),
     "a subset stacked twice": lambda o: (torch.stack([o[i].sum() for i in (0, 2, 3)])
                                          * torch.stack([o[i].pow(2).sum() for i in (0, 2, 3)])).sum(),
+    # a second red-team pass: one-row slices are one sample; selections of the same samples are the same rows
+    "per-sample loop on one-row slices": lambda o: torch.stack([F.cross_entropy(o[i:i + 1, 0], Y_CLS[i:i + 1])
+                                                                for i in range(B)]).pow(2).mean(),
+    "split(1), squeeze, stack": lambda o: torch.stack([r.squeeze(0).tanh().sum() for r in o.split(1)]).pow(2).sum(),
+    "chunked cross-entropy, cat, focal weight from the full logits": lambda o: (
+        (1 - o[:, 0].detach().softmax(-1).amax(-1))
+        * torch.cat([F.cross_entropy(c[:, 0], t, reduction="none") for c, t in zip(o.split(2), Y_CLS.split(2),
+                                                                                    strict=True)])).sum(),
+    "a mask and its nonzero indices": lambda o: (o[MASK].tanh() * o[MASK.nonzero(as_tuple=True)]).sum(),
+    "a slice and an index list": lambda o: (o[1:3].tanh() * o[torch.tensor([1, 2])]).sum(),
+    "sorted then unsorted": lambda o: (o[PERM][torch.argsort(PERM)].tanh() * o).sum(),
+    "per-sample positions": lambda o: (o[torch.arange(B)[:, None], POS].logsumexp(1) * o[:, 0]).sum(),
+    "per-sample vectors stacked along dim 1": lambda o: torch.stack([o[i].mean(0) for i in range(B)], 1).pow(2).sum(
+        0).sqrt().sum(),
+    "kthvalue along the classes": lambda o: o.kthvalue(2).values.pow(2).sum(),
+    "masked_fill with a detached batch mean": lambda o: (o.masked_fill(MASK[..., None], o.detach().mean())
+                                                         * TEACHER).sum(),
+    "where with a Python scalar": lambda o: torch.where(Y_TOK[..., None] != -100, o, 0.0).logsumexp(-1).sum(),
+    "DPO-style logsigmoid": lambda o: -F.logsigmoid(o[:, 0, 0] - o[:, 0, 1]).mean(),
+    "masked_select": lambda o: o.masked_select(MASK[..., None]).pow(2).sum(),
+    "repeat along features": lambda o: o.repeat(1, 1, 2).tanh().sum(),
+    "one-hot of the argmax as a target": lambda o: (o.log_softmax(-1) * F.one_hot(o.argmax(-1), V)).sum(),
+    "cosine embedding loss": lambda o: F.cosine_embedding_loss(o[:, 0], o[:, 1], torch.ones(B)),
+    "layer norm over the classes": lambda o: (F.layer_norm(o, (V,)) * TEACHER).tanh().sum(),
+    "in place on an intermediate": lambda o: (lambda z: (z.div_(2.0), z.tanh().sum())[1])(o * 1),
 }
 SEPARABLE_TWO = {
     "R-Drop (two passes, KL per row)": lambda a, b: F.kl_div(a.log_softmax(-1), b.softmax(-1), reduction="batchmean"),
@@ -151,6 +177,13 @@ COUPLED = {
     "the first sample as a target": lambda o: F.mse_loss(o, o[:1].detach()),
     "cosine to the first sample": lambda o: F.cosine_similarity(o, o.narrow(0, 0, 1)).sum(),
     "batched product with the first sample": lambda o: torch.matmul(o[:1], o.transpose(1, 2)).tanh().sum(),
+    # a second red-team pass
+    "an index broadcasting the batch along dim 1": lambda o: o[torch.arange(B)[None], torch.tensor([0, 1, 2])[
+        :, None]].logsumexp(1).sum(),
+    "mean over dim=[] (a full reduction)": lambda o: o.pow(2).mean((1, 2)).mean(dim=[]).pow(2),
+    "std with a positional unbiased flag": lambda o: (o.mean(-1).T.std(0, True).softmax(0) * o.mean((1, 2))).sum(),
+    "rows of the batch repeated, then shifted": lambda o: (o.repeat(2, 1, 1)[1:B + 1] * o).sum(),
+    "layer norm over the batch": lambda o: (F.layer_norm(o.transpose(0, 2), (B,)) * TEACHER.transpose(0, 2)).sum(),
 }
 COUPLED_TWO = {
     "CLIP": lambda a, b: F.cross_entropy(_pool(a) @ _pool(b).T / 0.07, torch.arange(B)),
@@ -213,7 +246,29 @@ def _drop_the_hardest(o):
     return (w * losses).sum()
 
 
-UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, never separable (red-team pass)
+class _BatchCentredBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0)
+
+
+def _hook_over_the_batch(o):
+    z = o * 1
+    z.register_hook(lambda g: g - g.mean(0))
+    return (z * z.detach()).sum()
+
+
+UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, never separable (red-team passes)
+    "a custom autograd Function whose backward centres over the batch": lambda o: (
+        _BatchCentredBackward.apply(o) * o.detach()).sum(),
+    "a gradient hook that centres over the batch": _hook_over_the_batch,
+    "batch weights copied by new_tensor": lambda o: (lambda l: (l * l.new_tensor(l.detach().softmax(0))).sum())(
+        o.pow(2).mean((1, 2))),
+    "the base of a view": lambda o: (o * o.view(B, -1)._base.mean(0)).sum(),
     "traced values added into an untraced buffer": _buffer_plus_mean,
     "hard-example mining written in place": _hard_example_mining,
     "the hardest sample dropped by item assignment": _drop_the_hardest,
@@ -232,6 +287,8 @@ def test_couplings_the_trace_cannot_follow_are_unverified(name):
 
 
 KNOWN_FALSE_REFUSALS = {  # separable to the oracle, coupled to the trace: documented in docs/reference/losses.md
+    "a sign flip squared, chosen by another sample": lambda o: torch.where(o.detach()[torch.tensor([1, 2, 3, 4, 0])]
+                                                                          > 0, o, -o).pow(2).sum(),
     "batch terms that cancel exactly": lambda o: (((o - o.logsumexp(0)) - (o - o.logsumexp(0)).mean(0))
                                                   * TEACHER).sum(),
     "a detached batch mean filled in, then weighted by the sample's own data": lambda o: (
@@ -497,3 +554,36 @@ def test_a_value_of_several_samples_fed_back_into_the_model_is_unverified():
     model(h - h.mean(0))
     assert book.unknown == {"a traced value of several samples fed back into the model"}
     assert loss_trace.verdict(loss_trace.dep_of(h.sum()), book) == "unverified"
+
+
+def test_weights_passed_as_the_backward_gradient_are_traced():
+    """``losses.backward(gradient=w)`` is the loss ``sum(w * losses)``: weights from the batch couple samples."""
+    for make_w, expected in ((lambda l: l.detach().softmax(0), "coupled"), (lambda l: torch.ones_like(l), "separable")):
+        state = loss_trace.LossTrace()
+        book = Book()
+        book.state = weakref.ref(state)
+        state.book = book
+        state.sigs[id(book)] = {"sig"}
+        y = outputs()[0].requires_grad_()
+        losses = loss_trace._wrap(y * 1, output_dep(book)).pow(2).mean((1, 2))
+        losses.backward(gradient=make_w(losses))
+        (d, bk, _), = state.pending
+        assert loss_trace.verdict(d, bk) == expected
+
+
+def test_a_gradient_hook_that_changes_the_model_outputs_gradient_is_refused():
+    """The engine reads each layer's output gradient before a hook on the model's output runs: a hook that changes
+    it would be missed by the per-sample gradients (released differently once the trace ends), so it raises in the
+    backward pass; a hook that only reads the gradient is fine."""
+    model = Encoder()
+    eng, opt = _engine(model)
+    seen = []
+    out = model(X1)
+    out.register_hook(lambda g: seen.append(g.norm()))
+    F.cross_entropy(out, LAB).backward()
+    opt.step()
+    assert seen and eng.steps == 1
+    out = model(X1)
+    out.register_hook(lambda g: g * 3)
+    with pytest.raises(RuntimeError, match="gradient hook registered on the model's output changed its gradient"):
+        F.cross_entropy(out, LAB).backward()
