@@ -22,6 +22,10 @@ merges their records by index), so their outputs share one :class:`fastdp.loss_d
 earlier pass (a memory bank, a queue of earlier outputs) belongs to another book, and combining it with this pass's
 rows couples samples too.
 
+**Gradient hooks.** ``register_hook`` on a model output (traced) is wrapped: a hook that changes the gradient
+raises in the backward pass (the engine reads each layer's output gradient before such a hook runs, so the per-sample
+gradients would miss the change); a hook on another traced tensor leaves the pass unverified.
+
 **The refusal** is a :class:`fastdp.probe.StructureError` from ``optimizer.step()`` before anything is released
 (the step's sums are discarded; on several ranks every rank raises), naming the operation that coupled samples and
 the line of the user's code that called it. A refusal starts the signature's count again.
