@@ -138,8 +138,18 @@ def same_map(a: Any, b: Any, n: int) -> bool:
     return row_samples(a, 0, n) == row_samples(b, 0, n)
 
 
+def single_sample(m: Any, n: int) -> bool:
+    """Whether all ``n`` rows of map ``m`` are one sample's."""
+    if n <= 1:
+        return True
+    if len(m) == 3:
+        _, block, offset = m
+        return offset // block == (n - 1 + offset) // block
+    return len(set(m[1][:n])) == 1
+
+
 def narrow_map(m: Any, start: int, length: int) -> Any:
-    """The row map of rows ``start .. start + length`` of rows with map ``m``."""
+    """The row map of rows ``start .. start + length`` (``start >= 0``) of rows with map ``m``."""
     if len(m) == 3:
         book, block, offset = m
         return (book, block, offset + start)

@@ -74,6 +74,7 @@ from fastdp.loss_deps import (
     output_dep,
     reduce,
     same_map,
+    single_sample,
 )
 from fastdp.loss_trace_rules import ALIASES, CONST, RULES
 from fastdp.probe import StructureError
@@ -88,7 +89,7 @@ _PASS = frozenset({"__repr__", "__format__", "__str__", "numpy", "tolist", "item
                    "register_hook", "retain_grad", "grad", "grad_fn", "is_leaf", "requires_grad", "shape", "dtype",
                    "device", "_version", "__reduce_ex__", "__setstate__", "__getstate__", "data_ptr", "storage",
                    "untyped_storage", "element_size", "stride", "storage_offset", "is_contiguous", "__dlpack__",
-                   "__array__", "__iter__", "__deepcopy__", "layout", "names"})
+                   "__array__", "__iter__", "__deepcopy__", "layout", "names", "__index__"})
 
 
 class Traced(torch.Tensor):
@@ -117,7 +118,7 @@ class Traced(torch.Tensor):
             res = func(*args, **kwargs)
         if name == "__setitem__":
             _on_setitem(args)
-        elif name == "__bool__":
+        elif name in ("__bool__", "__index__"):  # a branch, or a slice bound / length read from the value
             _on_branch(args[0])
         elif name == "_base" and res is not None:  # the tensor a traced view was taken from: not followed
             for book in _books(args, kwargs):
@@ -193,7 +194,8 @@ def _on_setitem(args: tuple[Any, ...]) -> None:
 
 
 def _on_branch(t: Any) -> None:
-    """``bool(t)`` (``if``, Python's ``max``, ``sorted``): a branch on a value of several samples is not followed."""
+    """``bool(t)`` (``if``, Python's ``max``, ``sorted``) or ``t.__index__()`` (a slice bound, a length): a branch or
+    a size read from a value of several samples is not followed."""
     d = dep_of(t)
     if d is not None and d.kind not in (ROWS, ONE):
         d.book.unknown.add("a Python branch (bool) on a value of several samples")
@@ -232,10 +234,19 @@ def _rebuild(res: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
     return type(res)(items)  # a tuple, or a torch.return_types structseq
 
 
+#: functions whose arguments after the first are sizes, indices or counts (a traced one is not followed)
+_SIZE_ARGS = frozenset({"narrow", "select", "split", "chunk", "tensor_split", "split_with_sizes", "view", "reshape",
+                        "expand", "repeat", "unflatten", "topk", "kthvalue", "roll", "diagonal", "diag", "flatten",
+                        "movedim", "transpose", "permute", "squeeze", "unsqueeze", "index_select", "new_zeros",
+                        "new_ones", "new_empty", "pad", "unbind"})
+
+
 def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) -> Any:
     name = ALIASES.get(name, name)
     _check_gradient_paths(args, kwargs)
     rule = RULES.get(name)
+    if name.rstrip("_") in _SIZE_ARGS and _books(args[1:], kwargs):  # o.narrow(0, 0, k) with k from the batch
+        rule = None
     deps = None
     if rule is not None and kwargs.get("out") is None:
         try:
@@ -256,6 +267,17 @@ def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) 
             for book in _books((inplace,), {}):
                 book.unknown.add(name)
         return _plain(res, args)
+    try:
+        return _result(name, args, kwargs, res, deps)
+    except Exception as e:  # a Dep that does not fit the result: unverified, never an error of the loss
+        logger.debug("loss trace: the result of %s was not traced: %r", name, e)
+        for book in _books(args, kwargs):
+            book.unknown.add(name)
+        return _plain(res, args)
+
+
+def _result(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, deps: Any) -> Any:
+    """``res`` traced with ``deps`` (in place where it is a traced argument)."""
     if isinstance(res, torch.Tensor):
         if isinstance(deps, tuple):
             return _plain(res, args)
@@ -294,7 +316,11 @@ def _stale_views(t: Traced, new: Dep) -> bool:
 def _wrap(t: torch.Tensor, dep: Dep, args: tuple[Any, ...] = ()) -> torch.Tensor:
     if any(t is a for a in args) and not isinstance(t, Traced):
         return t  # an untraced tensor written in place with traced values
-    if dep.kind == ROWS and t.shape[dep.dims[0]] == 1:  # one row: one sample's value (x[i:i+1])
+    with torch_api.torch_function_subclasses_off():
+        shape = tuple(t.shape)
+    if any(x >= len(shape) for x in dep.dims):
+        raise ValueError(f"a rule gave sample dimensions {dep.dims} to a tensor of {len(shape)} dimensions")
+    if dep.kind == ROWS and single_sample(dep.maps[0], shape[dep.dims[0]]):  # x[i:i+1], one sample's tokens
         dep = Dep(ONE, dep.grad, dep.book, (), (one_from_row(dep.maps[0], 0),))
     if isinstance(t, Traced):
         out = t

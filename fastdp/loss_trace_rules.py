@@ -159,13 +159,15 @@ def _reduce(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
     if base in {"max", "min"} and len(args) > 1 and isinstance(args[1], torch.Tensor):
         return _elementwise("maximum", args, kwargs, res, dep)
     pos = _DIM_POS.get(base, 1)
+    variance = base in {"std", "var", "std_mean", "var_mean"}
+    if variance and len(args) > 1 and isinstance(args[1], bool):  # x.var(unbiased): over every dimension
+        args = (args[0],)
     try:
         dims = dims_arg(arg(args, kwargs, pos, "dim", _DIM_DEFAULT.get(base)))
     except TypeError:
         return None
     # std/var(x, dim, unbiased, keepdim): a positional bool after dim is `unbiased`
-    kpos = pos + 2 if base in {"std", "var", "std_mean", "var_mean"} and len(args) > pos + 1 and isinstance(
-        args[pos + 1], bool) else pos + 1
+    kpos = pos + 2 if variance and len(args) > pos + 1 and isinstance(args[pos + 1], bool) else pos + 1
     keepdim = bool(arg(args, kwargs, kpos, "keepdim", False))
     if base in _DATA_REDUCE:
         return _data(reduce(d, x.dim(), dims, keepdim, True, name))

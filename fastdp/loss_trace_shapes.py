@@ -39,15 +39,28 @@ from fastdp.loss_deps import (
 DepOf = Callable[[Any], Dep | None]
 
 
+#: numpy-style keywords torch accepts in place of its own
+_KEYWORD_ALIASES = {"dim": "axis", "keepdim": "keepdims"}
+
+
 def arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a torch function: by keyword (or its numpy alias: ``axis``, ``keepdims``), or at
+    position ``i``."""
     if name in kwargs:
         return kwargs[name]
+    alias = _KEYWORD_ALIASES.get(name)
+    if alias in kwargs:
+        return kwargs[alias]
     return args[i] if len(args) > i else default
 
 
 def dims_arg(d: Any) -> tuple[int, ...] | None:
+    """A ``dim`` argument as a tuple (``None``: all dimensions); ``TypeError`` for anything else (a bool is not a
+    dimension: ``x.var(True)`` is ``unbiased``)."""
     if d is None:
         return None
+    if isinstance(d, bool):
+        raise TypeError
     if isinstance(d, int):
         return (d,)
     if isinstance(d, (list, tuple)) and all(isinstance(x, int) for x in d):
@@ -132,11 +145,17 @@ def rule_getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
         return None
     if not isinstance(res, torch.Tensor):
         return None
-    if dep(idx) is not None or (isinstance(idx, tuple) and any(dep(i) is not None for i in idx)):
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    bounds = [b for i in parts if isinstance(i, slice) for b in (i.start, i.stop, i.step)]
+    if any(dep(i) is not None for i in (*parts, *bounds)):  # a traced index or slice bound: not followed
         return None
     if d.kind in (SEP, COUPLED, ONE):
         return d
     idx = idx if isinstance(idx, tuple) else (idx,)
+    # a list of ints or bools is an index tensor to torch; a uint8 index is a mask (deprecated, still honoured)
+    idx = tuple(torch.tensor(i) if isinstance(i, list) and i and all(isinstance(v, (int, bool)) for v in i) else i
+                for i in idx)
+    idx = tuple(i.bool() if isinstance(i, torch.Tensor) and i.dtype == torch.uint8 else i for i in idx)
     if any(i is Ellipsis for i in idx):
         k = next(j for j, i in enumerate(idx) if i is Ellipsis)
         fill = x.dim() - sum(i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1
@@ -266,10 +285,11 @@ def rule_select(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
         return r if name == "select" else tuple(r for _ in res)
     if name in {"narrow"}:
         dim = arg(args, kwargs, 1, "dim") % n
-        start = arg(args, kwargs, 2, "start")
+        start = int(arg(args, kwargs, 2, "start"))
         if dim in d.dims and d.kind == ROWS:
-            length = arg(args, kwargs, 3, "length")
-            return Dep(ROWS, d.grad, d.book, d.dims, (narrow_map(d.maps[0], int(start), int(length)),))
+            length = int(arg(args, kwargs, 3, "length"))
+            start = start + x.shape[dim] if start < 0 else start  # torch counts a negative start from the end
+            return Dep(ROWS, d.grad, d.book, d.dims, (narrow_map(d.maps[0], start, length),))
         return d if dim not in d.dims else None
     if name in {"split", "chunk", "tensor_split", "split_with_sizes"}:
         dim = arg(args, kwargs, 2, "dim", 0) % n

@@ -88,6 +88,7 @@ MASK = torch.tensor([[True, True, False, True], [False, True, True, True], [True
                      [True, True, True, False], [False, False, True, True]])
 SUBSET = torch.tensor([0, 2, 3])
 POS = torch.randint(0, T, (B, 2), generator=_g)
+U8 = torch.tensor([1, 0, 1, 0, 0], dtype=torch.uint8)
 
 
 def _pool(y):
@@ -152,6 +153,14 @@ SEPARABLE = {
     "cosine embedding loss": lambda o: F.cosine_embedding_loss(o[:, 0], o[:, 1], torch.ones(B)),
     "layer norm over the classes": lambda o: (F.layer_norm(o, (V,)) * TEACHER).tanh().sum(),
     "in place on an intermediate": lambda o: (lambda z: (z.div_(2.0), z.tanh().sum())[1])(o * 1),
+    # a third red-team pass
+    "narrow with a negative start, the same rows": lambda o: (o.narrow(0, -2, 2) * o[[3, 4]].tanh()).sum(),
+    "a uint8 mask and its bool": lambda o: (o[U8] * o[U8.bool()].tanh()).sum(),
+    "tokens split per sample, then a nonlinear per-sample term": lambda o: -F.logsigmoid(torch.stack([
+        c.sum() for c in F.cross_entropy(o.view(-1, V), Y_TOK.clamp(min=0).view(-1), reduction="none").split(T)
+    ])).mean(),
+    "reductions with numpy keywords": lambda o: o.amax(axis=-1).pow(2).sum() + o.logsumexp(axis=-1, keepdims=True
+                                                                                              ).exp().sum(),
 }
 SEPARABLE_TWO = {
     "R-Drop (two passes, KL per row)": lambda a, b: F.kl_div(a.log_softmax(-1), b.softmax(-1), reduction="batchmean"),
@@ -184,6 +193,16 @@ COUPLED = {
     "std with a positional unbiased flag": lambda o: (o.mean(-1).T.std(0, True).softmax(0) * o.mean((1, 2))).sum(),
     "rows of the batch repeated, then shifted": lambda o: (o.repeat(2, 1, 1)[1:B + 1] * o).sum(),
     "layer norm over the batch": lambda o: (F.layer_norm(o.transpose(0, 2), (B,)) * TEACHER.transpose(0, 2)).sum(),
+    # a third red-team pass
+    "cat with axis=, then log-sum-exp": lambda o: torch.cat([o, o[PERM]], axis=-1).logsumexp(-1).sum(),
+    "select with axis=, softmax over the samples": lambda o: (o.select(axis=1, index=0).softmax(0).log()
+                                                              * TEACHER[:, 0]).sum(),
+    "topk over the samples with axis=": lambda o: o.topk(2, axis=0).values.pow(2).sum(),
+    "mean with keepdims=, softmax over the samples": lambda o: (o.transpose(0, 1).mean(0, keepdims=True).softmax(1)
+                                                                .log() * TEACHER[:, 0]).sum(),
+    "narrow with a negative start": lambda o: (o[0:1] * o[1:].narrow(0, -1, 1).tanh()).sum(),
+    "a uint8 index is a mask": lambda o: (o[U8] * o[torch.tensor([1, 0])]).sum(),
+    "var(True) over everything": lambda o: o.var(True) * o.sum(),
 }
 COUPLED_TWO = {
     "CLIP": lambda a, b: F.cross_entropy(_pool(a) @ _pool(b).T / 0.07, torch.arange(B)),
@@ -269,6 +288,9 @@ UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, 
     "batch weights copied by new_tensor": lambda o: (lambda l: (l * l.new_tensor(l.detach().softmax(0))).sum())(
         o.pow(2).mean((1, 2))),
     "the base of a view": lambda o: (o * o.view(B, -1)._base.mean(0)).sum(),
+    "a slice bound counted over the batch": lambda o: o[: (o.detach().mean((1, 2)) > 0).sum() + 1].pow(2).sum(),
+    "a narrow length counted over the batch": lambda o: o.narrow(0, 0, (o.detach().mean((1, 2)) > 0).sum() + 1
+                                                                 ).pow(2).sum(),
     "traced values added into an untraced buffer": _buffer_plus_mean,
     "hard-example mining written in place": _hard_example_mining,
     "the hardest sample dropped by item assignment": _drop_the_hardest,
