@@ -30,9 +30,10 @@ gradients would miss the change); a hook on another traced tensor leaves the pas
 (the step's sums are discarded; on several ranks every rank raises), naming the operation that coupled samples and
 the line of the user's code that called it. A refusal starts the signature's count again.
 
-**Budget.** ``TRACE_PASSES`` judged passes per input signature (:func:`fastdp.probe.signature`), and at most
-``MAX_ARMS`` forward calls traced per signature (forward calls without a backward pass). The cost is Python's: one
-``__torch_function__`` call per torch function on a traced tensor, in the traced passes only.
+**Budget** (the state, the verdicts and the refusal are in :mod:`fastdp.loss_trace_verdicts`). ``TRACE_PASSES``
+judged passes per input signature (:func:`fastdp.probe.signature`), and at most ``MAX_ARMS`` forward calls traced
+per signature (forward calls without a backward pass). The cost is Python's: one ``__torch_function__`` call per
+torch function on a traced tensor, in the traced passes only.
 
 **What it does not see.** Anything the rules do not know (the pass is then ``unverified``: logged, not refused):
 functions without a rule, traced values or indices written in place into untraced tensors, in-place writes through
@@ -55,16 +56,13 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fastdp import torch_api
 from fastdp.loss_deps import (
-    COUPLED,
     ONE,
-    PAIRS,
     ROWS,
     Book,
     Dep,
@@ -77,12 +75,12 @@ from fastdp.loss_deps import (
     single_sample,
 )
 from fastdp.loss_trace_rules import ALIASES, CONST, RULES
-from fastdp.probe import StructureError
+from fastdp.loss_trace_verdicts import MAX_ARMS, TRACE_PASSES, LossTrace, settle, verdict
+
+__all__ = ["MAX_ARMS", "TRACE_PASSES", "LossTrace", "Traced", "arm", "dep_of", "plain_inputs", "settle", "verdict"]
 
 logger = logging.getLogger(__name__)
 
-TRACE_PASSES = 2  # judged backward passes per input signature (a refusal starts the count again)
-MAX_ARMS = 64  # forward calls traced per input signature (a backward pass may not follow)
 _DEPTH = 4  # nesting of tuples, lists and dicts searched for outputs
 #: functions whose result is never traced (queries, hooks, the gradient)
 _PASS = frozenset({"__repr__", "__format__", "__str__", "numpy", "tolist", "item", "__bool__", "__len__", "__hash__",
@@ -332,38 +330,6 @@ def _wrap(t: torch.Tensor, dep: Dep, args: tuple[Any, ...] = ()) -> torch.Tensor
     return out
 
 
-# ---------------------------------------------------------------------------------------------- state and budget
-@dataclass
-class LossTrace:
-    """The loss trace's state in one engine: per input signature, the passes judged (``passes``) and the forward
-    calls traced (``arms``); the book of the forward calls since the last backward pass (``book``) and its
-    signatures; the backward passes of the step in progress (``pending``: the loss's ``Dep``, its book, the
-    signatures)."""
-
-    passes: dict[Any, int] = field(default_factory=dict)
-    arms: dict[Any, int] = field(default_factory=dict)
-    book: Book | None = None
-    sigs: dict[int, set[Any]] = field(default_factory=dict)  # id(book) -> signatures of its forward calls
-    pending: list[tuple[Dep | None, Book, frozenset[Any]]] = field(default_factory=list)
-
-    def take(self, sig: Any) -> bool:
-        """Whether to trace this forward call of signature ``sig`` (counted)."""
-        if self.passes.get(sig, 0) >= TRACE_PASSES or self.arms.get(sig, 0) >= MAX_ARMS:
-            return False
-        self.arms[sig] = self.arms.get(sig, 0) + 1
-        return True
-
-    def close(self) -> None:
-        """End of a backward pass: the next forward call starts a new book (other samples). A book whose outputs
-        were traced but whose backward pass started from an untraced tensor (the trace lost the loss) is judged
-        unverified."""
-        book, self.book = self.book, None
-        if book is not None and not book.closed and id(book) in self.sigs:
-            book.closed = True
-            book.unknown.add("backward from an untraced tensor")
-            self.pending.append((None, book, frozenset(self.sigs.pop(id(book)))))
-
-
 def _outputs(out: Any, B: int, book: Book, depth: int = 0) -> tuple[Any, int]:
     """``out`` with its floating outputs ``(B, ...)`` that require grad returned as traced aliases; and how many."""
     if isinstance(out, torch.Tensor):
@@ -463,49 +429,3 @@ def _on_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             d = reduce(d, t.dim(), None, False, True, "backward(gradient=)")
         d.book.closed = True
         state.pending.append((d, d.book, frozenset(state.sigs.pop(id(d.book), ()))))
-
-
-def verdict(d: Dep | None, book: Book) -> str:
-    """``"coupled"``, ``"separable"`` or ``"unverified"`` (an operation on a traced tensor had no rule, or the
-    backward pass did not start from a traced tensor: ``d`` is ``None``)."""
-    if d is not None and d.kind in (COUPLED, PAIRS) and d.grad:
-        return "coupled"
-    return "unverified" if book.unknown else "separable"
-
-
-def settle(engine: Any, state: LossTrace) -> StructureError | None:
-    """Judge the traced backward passes of the step (called when the step is released, before anything is):
-    count the verdicts, end the trace of the signatures that have ``TRACE_PASSES``, and return the refusal of a
-    coupled loss."""
-    pending, state.pending = state.pending, []
-    error = None
-    stats = engine.probe_stats.setdefault("loss_traces", {})
-    for d, book, sigs in pending:
-        v = verdict(d, book)
-        stats[v] = stats.get(v, 0) + 1
-        for sig in sigs:
-            state.passes[sig] = 0 if v == "coupled" else state.passes.get(sig, 0) + 1
-            if v == "coupled":
-                state.arms[sig] = 0
-        if v == "coupled" and error is None and d is not None:
-            error = StructureError(_message(engine, d))
-        elif v == "unverified":
-            logger.info("loss trace: the loss was not verified to be a sum of per-sample terms: the trace does not "
-                        "follow %s", ", ".join(sorted(book.unknown)))
-        else:
-            logger.debug("loss trace: %s", v)
-    return error
-
-
-def _message(engine: Any, d: Dep) -> str:
-    why = d.why or ("pairs of samples reach the loss" if d.kind == PAIRS else "samples combined")
-    return (f"the loss couples samples: {why}. The engine clips each sample's gradient, which bounds what one sample "
-            "changes only if the loss is a sum (or mean) of terms that each depend on one sample; here a sample's "
-            "gradient depends on the other samples' outputs, so removing one sample changes every other sample's "
-            "contribution and the privacy guarantee fails. Nothing was released. Typical causes: in-batch "
-            "negatives or a contrastive loss over the batch (logits = a @ b.T with a cross-entropy across samples), "
-            "a softmax or log-sum-exp over the batch dimension, dividing by a statistic of the batch's outputs, "
-            "weights or a baseline computed from other samples (a batch mean). Compute the loss of each sample from "
-            "that sample alone (negatives from public data or from within the sample), or use a method built for "
-            "such losses. This check (verify_loss=True; docs/reference/losses.md) traces the loss's torch "
-            "operations from the model's outputs; if it is wrong here, pass verify_loss=False.")

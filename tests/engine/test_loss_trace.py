@@ -510,7 +510,7 @@ def test_per_sample_losses_release_what_they_release_untraced():
 def test_an_untraceable_loss_is_unverified_not_refused(caplog):
     model = Encoder()
     eng, opt = _engine(model)
-    caplog.set_level("INFO", logger="fastdp.loss_trace")
+    caplog.set_level("INFO", logger="fastdp.loss_trace_verdicts")
     torch.fft.fft(model(X1)).real.pow(2).mean().backward()
     opt.step()
     assert eng.steps == 1 and eng.probe_stats["loss_traces"] == {"unverified": 1}
