@@ -486,6 +486,44 @@ class ClipEmbeds(ClipPair):
         return getattr(img, "pooler_output", img), getattr(txt, "pooler_output", txt)
 
 
+class ClipWholeEmbeds(nn.Module):
+    """CLIPModel called as a whole, returning its embeddings (its forward also builds the (B, B) logits)."""
+
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, pixel_values, input_ids, attention_mask):
+        o = self.m(pixel_values=pixel_values, input_ids=input_ids, attention_mask=attention_mask)
+        return o.image_embeds, o.text_embeds
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_clip_model_called_whole_needs_logit_scale_frozen():
+    """CLIPModel's own forward multiplies the (B, B) similarities by its raw parameter logit_scale, so the whole
+    model is that parameter's owner and cannot be replayed per sample: the structure probe refuses (its message
+    names the position embeddings, docs/reference/models.md says to freeze logit_scale). Frozen, the call passes
+    the probe, and a contrastive loss on the embeddings is refused by the loss trace."""
+    torch.manual_seed(0)
+    (x, _), = clip_batches([4], 1)
+    model = ClipWholeEmbeds(clip().to(D))
+    engine = make_engine(model, batch_size=4)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(fastdp.StructureError, match="structure probe"):
+        model(*x)
+    model = ClipWholeEmbeds(clip().to(D))
+    model.m.logit_scale.requires_grad_(False)
+    engine = make_engine(model, batch_size=4)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine.attach(opt)
+    img, txt = model(*x)
+    logits = F.normalize(img, dim=-1) @ F.normalize(txt, dim=-1).t()
+    F.cross_entropy(logits, torch.arange(4)).backward()
+    with pytest.raises(fastdp.StructureError, match="the loss couples samples"):
+        opt.step()
+    assert engine.steps == 0
+
+
 def _release_sum(base, x, R):
     model = ClipFull(copy.deepcopy(base), "loss")
     engine = make_engine(model, batch_size=1, R=R)  # batch_size 1: the release is the clipped sum itself
