@@ -288,12 +288,12 @@ def _result(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
                 return res  # an argument returned as is (x.contiguous(), x.to(its dtype)): nothing changed
             if _stale_views(res, deps):
                 deps.book.unknown.add(f"{name} (in place)")
-        return _wrap(res, deps, args)
+        return _wrap(res, deps)
     if not isinstance(deps, tuple):
         deps = tuple(deps for _ in res)
     if len(deps) != len(res):
         return _plain(res, args)
-    items = [_wrap(r, d, args) if isinstance(r, torch.Tensor) and isinstance(d, Dep) else r
+    items = [_wrap(r, d) if isinstance(r, torch.Tensor) and isinstance(d, Dep) else r
              for r, d in zip(res, deps, strict=True)]
     return _rebuild(res, items)
 
@@ -311,9 +311,7 @@ def _stale_views(t: Traced, new: Dep) -> bool:
         (old.kind, old.dims, old.maps) != (new.kind, new.dims, new.maps))
 
 
-def _wrap(t: torch.Tensor, dep: Dep, args: tuple[Any, ...] = ()) -> torch.Tensor:
-    if any(t is a for a in args) and not isinstance(t, Traced):
-        return t  # an untraced tensor written in place with traced values
+def _wrap(t: torch.Tensor, dep: Dep) -> torch.Tensor:
     with torch_api.torch_function_subclasses_off():
         shape = tuple(t.shape)
     if any(x >= len(shape) for x in dep.dims):
@@ -380,11 +378,23 @@ def arm(state: LossTrace, sig: Any, output: Any, B: int) -> Any:
     return out
 
 
+def _holds_traced(x: Any) -> bool:
+    if isinstance(x, Traced):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(isinstance(v, Traced) for v in x)
+    if type(x) is dict:
+        return any(isinstance(v, Traced) for v in x.values())
+    return False
+
+
 def plain_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A forward call of the model with traced inputs (its outputs fed back): the inputs as plain aliases, so that
     the model, the engine's hooks and the structure probe never see traced tensors (``None``: none was traced). An
     input that is not the batch's own rows (a value of several samples, rows of other samples) is not followed
     through the model (the call's outputs are the batch's rows again), so its pass is unverified."""
+    if not any(_holds_traced(v) for v in (*args, *kwargs.values())):  # every forward call: the common case
+        return None
     found = False
 
     def plain(x: Any) -> Any:

@@ -113,7 +113,7 @@ def _elementwise(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
     if not traced:
         return None
     if base in _COMPARE or base in _DATA_UNARY:
-        return _data(combine([(d, tuple(t.shape)) for t, d in traced], tuple(res.shape), False, name))
+        return data(combine([(d, tuple(t.shape)) for t, d in traced], tuple(res.shape), False, name))
     if len(traced) == 1 and (base in _LINEAR or base in _NONLINEAR) and len(ts) == 1:
         return unary(traced[0][1], base in _LINEAR, name)
     deps = []
@@ -146,10 +146,6 @@ def _where(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, d
     return combine(factors, out, False, name)
 
 
-def _data(d: Dep) -> Dep:
-    return data(d)
-
-
 def _reduce(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
     x = args[0]
     d = dep(x)
@@ -170,12 +166,12 @@ def _reduce(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
     kpos = pos + 2 if variance and len(args) > pos + 1 and isinstance(args[pos + 1], bool) else pos + 1
     keepdim = bool(arg(args, kwargs, kpos, "keepdim", False))
     if base in _DATA_REDUCE:
-        return _data(reduce(d, x.dim(), dims, keepdim, True, name))
+        return data(reduce(d, x.dim(), dims, keepdim, True, name))
     r = reduce(d, x.dim(), dims, keepdim, base in _LINEAR_REDUCE, name)
     if base in {"std_mean", "var_mean"}:
         return (r, reduce(d, x.dim(), dims, keepdim, True, name))
     if isinstance(res, tuple):  # (values, indices)
-        return (r, _data(r))
+        return (r, data(r))
     return r
 
 
@@ -190,9 +186,9 @@ def _along(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, d
         return None
     r = along(d, x.dim(), dim, name)
     if base == "argsort":
-        return _data(r)
+        return data(r)
     if isinstance(res, tuple):
-        return (r, _data(r))
+        return (r, data(r))
     return r
 
 
