@@ -131,7 +131,9 @@ class PrivacyEngine:
             signature it also *traces* the loss (:mod:`fastdp.loss_trace`: the model's outputs are returned as
             aliases whose torch operations are followed) and refuses a loss that couples samples (in-batch
             negatives, a softmax or log-sum-exp over the batch, weights or divisors computed from other samples'
-            outputs); verdicts in ``probe_stats["loss_traces"]``.
+            outputs); verdicts in ``probe_stats["loss_traces"]``. A loss it cannot verify (an operation the trace
+            does not follow, a cross-entropy whose weights fit no per-sample form) is logged (a warning, the first
+            time) and trained; ``"strict"`` refuses it too, the same way. ``False`` turns both checks off.
         distributed: ``None`` (default): data-parallel over ``torch.distributed``'s default group when it is
             initialised (every rank builds the engine with the same arguments; ``batch_size`` and ``sample_size``
             are global; each rank runs forward and backward on its part of the batch; the clipped sums are
@@ -163,7 +165,7 @@ class PrivacyEngine:
         enforce_budget: bool = False,
         on_nonfinite: str = "raise",
         verify_structure: bool = True,
-        verify_loss: bool = True,
+        verify_loss: bool | str = True,
         distributed: bool | None = None,
         process_group: Any = None,
         adaptive_clipping: adaptive.AdaptiveClipping | None = None,
@@ -188,7 +190,11 @@ class PrivacyEngine:
         self._initial_sigma = s.noise_multiplier  # the constructed value (checked against checkpoints)
         self.model = model
         self.verify_structure = bool(verify_structure)
-        self.verify_loss = bool(verify_loss)
+        if verify_loss not in (True, False, "strict"):
+            raise ValueError(f"verify_loss={verify_loss!r}: expected True (refuse the losses found to couple samples, "
+                             "log those that cannot be verified), \"strict\" (refuse those too) or False (no "
+                             "check)")
+        self.verify_loss: bool | str = "strict" if verify_loss == "strict" else bool(verify_loss)
         #: module name -> parameter paths it owns on the generic path (the probe's fallback for broadcast outputs)
         self._extra_owned: dict[str, tuple[str, ...]] = {}
         self.plan: Plan = build_plan(model, self._extra_owned)

@@ -317,6 +317,10 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
             continue
         if kind not in AGAIN or (kind == "not recognised" and p.call in recognised_calls):
             state.done.add(key)  # a verdict; or not the loss's logits (another output of the call was read)
+        if kind == "unverified weights" and getattr(engine, "verify_loss", True) == "strict":
+            state.tries[p.sig] = 0
+            error = error or StructureError(_strict_message(p.summ.label, v))
+            continue
         if kind == "unverified weights":
             logger.info("loss check: %s is a softmax cross-entropy whose weights (%.6g on a label row; %d label "
                         "rows, %d to %d per sample) fit neither a per-sample mean nor a per-sample sum, nor a "
@@ -333,6 +337,16 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
                            "fastdp.losses.check_per_sample_loss (docs/reference/losses.md)",
                            ", ".join(sorted(state.labels.get(sig, ()))))
     return error
+
+
+def _strict_message(label: str, v: Verdict) -> str:
+    return (f"verify_loss=\"strict\": {label} is a softmax cross-entropy whose weights ({v.weight:.6g} on a label "
+            f"row; {v.total} label rows, {v.counts[0]} to {v.counts[1]} per sample) fit neither a per-sample mean "
+            "nor a per-sample sum, nor a constant times either, so the engine could not verify that no sample's "
+            "weight depends on the other samples. Nothing was released. A class-weighted mean over the batch "
+            "divides by the batch's sum of weights, which couples samples through their labels: use "
+            "reduction=\"sum\" divided by a constant. If each sample's weights depend on its own labels only "
+            "(a class-weighted sum), pass verify_loss=True, which logs such losses instead of refusing them.")
 
 
 def _message(engine: Any, summ: RowSummary, v: Verdict, step_rows: int, passes: int, tol: float) -> str:

@@ -29,6 +29,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 ROWS, ONE, PAIRS, SEP, COUPLED = "rows", "one", "pairs", "sep", "coupled"
+#: a rule's answer for a result (or an item of a tuple result) that depends on no sample: left untraced, and the
+#: pass stays verified (``None`` instead means the rules cannot follow it: the pass is unverified)
+CONST = "const"
 
 
 class Book:
@@ -306,6 +309,20 @@ def along(d: Dep, ndim: int, dim: int, name: str) -> Dep:
     if dim % ndim in d.dims:
         return coupled(d.book, d.grad, f"{name} across samples (along the batch dimension)", d)
     return d
+
+
+def along_linear(d: Dep, ndim: int, dims: tuple[int, ...], name: str) -> Dep:
+    """A linear function along dimensions ``dims`` (``cumsum``, ``diff``, a convolution, ``scatter_add``): each
+    result element is a fixed linear combination of elements along them. Over a sample dimension of ``ROWS`` that is
+    a sum of one-sample terms (``SEP``: ``x.cumsum(0).sum()`` is ``Σ_k (B - k) x_k``); over one of ``PAIRS``, pairs
+    of samples are combined."""
+    if d.kind in (SEP, COUPLED, ONE):
+        return d
+    if not any(x % ndim in d.dims for x in dims):
+        return d
+    if d.kind == ROWS:
+        return Dep(SEP, d.grad, d.book)
+    return coupled(d.book, d.grad, f"{name} across pairs of samples", d)
 
 
 def permute(d: Dep, perm: list[int]) -> Dep:

@@ -258,27 +258,26 @@ def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) 
     if deps is not None and not torch.is_grad_enabled():  # no gradient path (no_grad, a custom Function's forward)
         deps = tuple(data(d) if isinstance(d, Dep) else d for d in deps) if isinstance(deps, tuple) else data(deps)
     if deps is None:
-        for book in _books(args, kwargs):
-            book.unknown.add(name)
-        inplace = next((a for a in args if a is res and isinstance(a, Traced)), None)
-        if inplace is not None:  # written in place by something the rules cannot follow
-            for book in _books((inplace,), {}):
-                book.unknown.add(name)
-        return _plain(res, args)
+        return _unfollowed(name, args, kwargs, res)
     try:
         return _result(name, args, kwargs, res, deps)
     except Exception as e:  # a Dep that does not fit the result: unverified, never an error of the loss
         logger.debug("loss trace: the result of %s was not traced: %r", name, e)
-        for book in _books(args, kwargs):
-            book.unknown.add(name)
-        return _plain(res, args)
+        return _unfollowed(name, args, kwargs, res)
+
+
+def _unfollowed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) -> Any:
+    """``res`` untraced, and the passes of the traced arguments unverified (the rules could not follow ``name``)."""
+    for book in _books(args, kwargs):
+        book.unknown.add(name)
+    return _plain(res, args)
 
 
 def _result(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, deps: Any) -> Any:
     """``res`` traced with ``deps`` (in place where it is a traced argument)."""
     if isinstance(res, torch.Tensor):
         if isinstance(deps, tuple):
-            return _plain(res, args)
+            return _unfollowed(name, args, kwargs, res)
         if not isinstance(res, Traced) and any(res is a for a in args):  # traced values written in place into an
             for book in _books(args, kwargs):  # untraced tensor (buf += x, w.masked_fill_(mask_of_x, 0))
                 book.unknown.add(f"{name} (into an untraced tensor)")
@@ -291,8 +290,9 @@ def _result(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
         return _wrap(res, deps)
     if not isinstance(deps, tuple):
         deps = tuple(deps for _ in res)
-    if len(deps) != len(res):
-        return _plain(res, args)
+    if len(deps) != len(res) or any(isinstance(r, torch.Tensor) and not isinstance(d, Dep) and d != CONST
+                                    for r, d in zip(res, deps, strict=True)):
+        return _unfollowed(name, args, kwargs, res)
     items = [_wrap(r, d) if isinstance(r, torch.Tensor) and isinstance(d, Dep) else r
              for r, d in zip(res, deps, strict=True)]
     return _rebuild(res, items)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fastdp.loss_deps import (
+    CONST,
     COUPLED,
     ONE,
     PAIRS,
@@ -30,6 +31,29 @@ from fastdp.loss_deps import (
     data,
     reduce,
     unary,
+)
+from fastdp.loss_trace_mixing import (
+    CONV,
+    SCATTER,
+    VALIDATION,
+    rule_broadcast_tensors,
+    rule_conv,
+    rule_ctc,
+    rule_linear_along,
+    rule_multinomial,
+    rule_repeat_interleave,
+    rule_scatter,
+    rule_sum_to_size,
+    rule_unfold,
+    rule_validation,
+)
+from fastdp.loss_trace_products import (
+    ADD_PRODUCTS,
+    MATMUL,
+    rule_add_product,
+    rule_bilinear,
+    rule_matmul,
+    rule_tensordot,
 )
 from fastdp.loss_trace_shapes import (
     arg,
@@ -64,8 +88,6 @@ _DATA_UNARY = {"sign", "sgn", "floor", "ceil", "round", "trunc", "isnan", "isinf
 _CONSTANT = {"zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "randint_like", "new_zeros",
              "new_ones", "new_empty", "size", "dim", "numel"}
 _INPLACE_DUNDER = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__", "__itruediv__": "__truediv__"}
-#: a rule's answer for a result that does not depend on the samples (it is left untraced; the pass stays verified)
-CONST = "const"
 _ADDITIVE = {"add", "sub", "subtract", "rsub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__"}
 _MULTIPLICATIVE = {"mul", "multiply", "__mul__", "__rmul__", "__imul__", "addcmul", "lerp"}
 _DIVISION = {"div", "divide", "true_divide", "__truediv__", "__itruediv__"}  # nonlinear in the divisor
@@ -80,10 +102,8 @@ _LINEAR_REDUCE = {"sum", "mean", "nansum", "nanmean"}
 _NONLINEAR_REDUCE = {"logsumexp", "amax", "amin", "std", "var", "prod", "norm", "vector_norm", "nanmedian",
                      "median", "max", "min"}
 _DATA_REDUCE = {"all", "any", "count_nonzero", "argmax", "argmin"}
-_ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "normalize", "argsort", "gumbel_softmax",
+_ALONG = {"softmax", "log_softmax", "cumprod", "logcumsumexp", "normalize", "argsort", "gumbel_softmax",
           "softmin"}
-_MATMUL = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum", "linear", "inner", "dot", "vdot", "outer",
-           "ger", "mv"}
 _ELEMENT_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
                    "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "soft_margin_loss",
                    "hinge_embedding_loss", "margin_ranking_loss", "gaussian_nll_loss"}
@@ -230,59 +250,6 @@ def _full(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, de
     return data(d) if d.kind in (ONE, SEP, COUPLED) else None
 
 
-def _matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
-    if name == "einsum":
-        eq = args[0].replace(" ", "")
-        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-        if "..." in eq or "->" not in eq:
-            return None
-        lhs, out = eq.split("->")
-        specs = lhs.split(",")
-    else:
-        if name == "__rmatmul__":
-            a, b = args[1], args[0]
-        elif name == "linear":
-            a, b = args[0], arg(args, kwargs, 1, "weight")
-        else:
-            a, b = args[0], args[1]
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-            return None
-        if a.dim() > 8 or b.dim() > 8:
-            return None
-        if name == "linear":
-            bias = arg(args, kwargs, 2, "bias")
-            if isinstance(bias, torch.Tensor) and dep(bias) is not None or b.dim() > 2:
-                return None
-            sa, sb, out = _lead(a.dim() - 1) + "k", "nk"[2 - b.dim():], _lead(a.dim() - 1) + "n"[:b.dim() - 1]
-        elif name in {"outer", "ger"}:
-            sa, sb, out = "i", "j", "ij"
-        elif a.dim() == 1 and b.dim() == 1:
-            sa, sb, out = "k", "k", ""
-        elif name in {"inner", "dot", "vdot"}:
-            return None
-        elif b.dim() == 1:
-            sa, sb, out = _lead(a.dim() - 1) + "k", "k", _lead(a.dim() - 1)
-        elif a.dim() == 1:
-            sa, sb, out = "k", _lead(b.dim() - 2) + "kj", _lead(b.dim() - 2) + "j"
-        else:
-            n = max(a.dim(), b.dim()) - 2
-            lead = _lead(n)
-            sa = lead[n - (a.dim() - 2):] + "ik"
-            sb = lead[n - (b.dim() - 2):] + "kj"
-            out = lead + "ij"
-        ops, specs = [a, b], [sa, sb]
-    if len(ops) != len(specs) or any(not isinstance(t, torch.Tensor) or t.dim() != len(s)
-                                     for t, s in zip(ops, specs, strict=True)):
-        return None
-    return contract([(dep(t), s) for t, s in zip(ops, specs, strict=True)], out, name,
-                    [tuple(t.shape) for t in ops])
-
-
-def _lead(n: int) -> str:
-    """Letters for ``n`` leading dimensions of a product (none of ``i j k n``)."""
-    return "abcdefgh"[:n]
-
-
 def _class_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
     x, target = args[0], arg(args, kwargs, 1, "target")
     d = dep(x)
@@ -374,7 +341,10 @@ for _names, _rule in (
         ({"select", "unbind", "narrow", "split", "chunk", "tensor_split", "split_with_sizes", "index_select",
           "gather", "take_along_dim", "diagonal", "diag"}, rule_select),
         ({"cat", "concat", "concatenate", "stack"}, rule_concat),
-        (_MATMUL, _matmul),
+        (MATMUL, rule_matmul),
+        (ADD_PRODUCTS, rule_add_product),
+        ({"tensordot"}, rule_tensordot),
+        ({"bilinear"}, rule_bilinear),
         (_CLASS_LOSSES, _class_loss),
         (_ELEMENT_LOSSES, _element_loss),
         ({"cosine_similarity", "pairwise_distance", "cosine_embedding_loss", "triplet_margin_loss", "cdist"},
@@ -388,6 +358,16 @@ for _names, _rule in (
         ({"repeat"}, rule_repeat),
         ({"layer_norm", "group_norm"}, _normalised),
         ({"tril", "triu", "flip", "roll", "fill_diagonal_"}, rule_masking),
+        ({"cumsum", "diff"}, rule_linear_along),
+        (CONV, rule_conv),
+        ({"unfold"}, rule_unfold),
+        (SCATTER, rule_scatter),
+        ({"repeat_interleave"}, rule_repeat_interleave),
+        ({"sum_to_size"}, rule_sum_to_size),
+        ({"ctc_loss"}, rule_ctc),
+        ({"multinomial"}, rule_multinomial),
+        ({"broadcast_tensors"}, rule_broadcast_tensors),
+        (VALIDATION, rule_validation),
 ):
     for _n in _names:
         RULES[_n] = _rule

@@ -268,6 +268,9 @@ def rule_select(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
     d = dep(x)
     if d is None:
         return None
+    if any(dep(t) is not None for t in list(args[1:]) + list(kwargs.values()) if isinstance(t, torch.Tensor)) and (
+            name not in {"gather", "take_along_dim"} or d.kind != ROWS):
+        return None  # an index computed from the samples: which element is taken depends on them
     if d.kind in (SEP, COUPLED, ONE):
         return tuple(d for _ in res) if isinstance(res, (tuple, list)) else d
     n = x.dim()
@@ -311,10 +314,14 @@ def rule_select(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
     if name in {"gather", "take_along_dim"}:
         dim = arg(args, kwargs, 1 if name == "gather" else 2, "dim")
         index = arg(args, kwargs, 2 if name == "gather" else 1, "index" if name == "gather" else "indices")
-        if dim is None or not isinstance(index, torch.Tensor) or dep(index) is not None:
+        if dim is None or not isinstance(index, torch.Tensor):
             return None
         dim %= n
         if dim in d.dims or index.dim() != n or any(index.shape[k] != x.shape[k] for k in d.dims):
+            return None
+        di = dep(index)  # an index drawn from the rows themselves (x.gather(-1, x.argmax(-1, keepdim=True))): the
+        if di is not None and not (di.kind == d.kind == ROWS and di.dims == d.dims  # same rows, or not followed
+                                   and same_map(di.maps[0], d.maps[0], x.shape[d.dims[0]])):
             return None
         return d
     if name in {"diagonal", "diag"}:

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 TRACE_PASSES = 2  # judged backward passes per input signature (a refusal starts the count again)
 MAX_ARMS = 64  # forward calls traced per input signature (a backward pass may not follow)
+_LOST = "backward from an untraced tensor"  # the trace lost the loss (why: the functions in Book.unknown)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class LossTrace:
     signatures; the backward passes of the step in progress (``pending``: the loss's ``Dep``, its book, the
     signatures)."""
 
+    warned: bool = False  # an unverified pass was logged as a warning (once per engine)
     passes: dict[Any, int] = field(default_factory=dict)
     arms: dict[Any, int] = field(default_factory=dict)
     book: Book | None = None
@@ -49,7 +51,7 @@ class LossTrace:
         book, self.book = self.book, None
         if book is not None and not book.closed and id(book) in self.sigs:
             book.closed = True
-            book.unknown.add("backward from an untraced tensor")
+            book.unknown.add(_LOST)
             self.pending.append((None, book, frozenset(self.sigs.pop(id(book)))))
 
 
@@ -64,25 +66,49 @@ def verdict(d: Dep | None, book: Book) -> str:
 def settle(engine: Any, state: LossTrace) -> StructureError | None:
     """Judge the traced backward passes of the step (called when the step is released, before anything is):
     count the verdicts, end the trace of the signatures that have ``TRACE_PASSES``, and return the refusal of a
-    coupled loss."""
+    coupled loss (and, with ``verify_loss="strict"``, of an unverified one)."""
     pending, state.pending = state.pending, []
     error = None
+    strict = getattr(engine, "verify_loss", True) == "strict"
     stats = engine.probe_stats.setdefault("loss_traces", {})
     for d, book, sigs in pending:
         v = verdict(d, book)
         stats[v] = stats.get(v, 0) + 1
+        refused = v == "coupled" or (strict and v == "unverified")
         for sig in sigs:
-            state.passes[sig] = 0 if v == "coupled" else state.passes.get(sig, 0) + 1
-            if v == "coupled":
+            state.passes[sig] = 0 if refused else state.passes.get(sig, 0) + 1
+            if refused:
                 state.arms[sig] = 0
+        unknown = _unknown(book)
         if v == "coupled" and error is None and d is not None:
             error = StructureError(_message(engine, d))
+        elif v == "unverified" and strict:
+            error = error or StructureError(_strict_message(unknown))
         elif v == "unverified":
-            logger.info("loss trace: the loss was not verified to be a sum of per-sample terms: the trace does not "
-                        "follow %s", ", ".join(sorted(book.unknown)))
+            log = logger.info if state.warned else logger.warning
+            state.warned = True
+            log("loss trace: the loss was not verified to be a sum of per-sample terms (it was not refused either): "
+                "the trace does not follow %s. verify_loss=\"strict\" refuses such passes; "
+                "docs/reference/losses.md lists what the trace follows", unknown)
         else:
             logger.debug("loss trace: %s", v)
     return error
+
+
+def _unknown(book: Book) -> str:
+    """What the trace did not follow; that the backward pass then started from an untraced tensor is a
+    consequence, named only when it is the whole story (the loss was built from values the trace never saw)."""
+    named = sorted(book.unknown - {_LOST})
+    return ", ".join(named) if named else _LOST
+
+
+def _strict_message(unknown: str) -> str:
+    return (f"verify_loss=\"strict\": the loss was not verified to be a sum of per-sample terms: the loss trace does "
+            f"not follow {unknown}. Nothing was released. The engine's clipping bounds what one sample changes only "
+            "if the loss is a sum (or mean) of terms that each depend on one sample, and in strict mode a loss the "
+            "trace cannot verify is refused. Write the loss with operations the trace follows (docs/reference/"
+            "losses.md, \"The loss trace\"), or pass verify_loss=True, which refuses the losses it finds coupled "
+            "and logs the ones it cannot verify.")
 
 
 def _message(engine: Any, d: Dep) -> str:

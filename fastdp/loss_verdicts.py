@@ -9,7 +9,8 @@ gradient accumulation); ``w_r`` the weight of label row ``r`` (the loss scale di
 **One pass** (:func:`verdict`):
 
 * the same number of label rows in every sample, or none, or one labelled sample: ``"uninformative"`` (a token
-  mean *is* then a per-sample mean, exact; one sample says nothing about how samples are weighted);
+  mean *is* then a per-sample mean, exact; one sample says nothing about how samples are weighted), unless the
+  rows' weights differ (``"unverified weights"``: a class-weighted mean over the batch, say);
 * every label row the same weight ``c``: ``"equal weights"``, a per-sample token sum or a token mean, each times a
   constant, judged by :func:`judge`. When the labelled samples' counts are within ``6 tol`` of each other (one
   label per sample, nearly full rows), a per-sample mean reads the same: the observation is
@@ -77,11 +78,14 @@ def verdict(w: torch.Tensor, labelled: torch.Tensor, fits: torch.Tensor, B: int,
     n = lab.sum(1)
     N = int(n.sum())
     counts = (int(n.min()), int(n.max()))
-    if N == 0 or counts[0] == counts[1]:
+    if N == 0:
         return Verdict("uninformative", N)
     wl = w.reshape(B, -1)[lab].double() / scale
-    n_row = n[:, None].expand_as(lab)[lab].double()
     c = float(wl.median())
+    if counts[0] == counts[1]:  # every form gives every row one weight; unequal ones are none of them
+        equal = c != 0 and bool(((wl / c - 1).abs() <= tol).all())
+        return Verdict("uninformative", N) if equal else Verdict("unverified weights", N, c, counts)
+    n_row = n[:, None].expand_as(lab)[lab].double()
     if bool(((wl / c - 1).abs() <= tol).all()):
         nl = n[n > 0].double()
         if nl.numel() == 1:  # one labelled sample: nothing about how samples are weighted against each other

@@ -202,6 +202,7 @@ class Finding:
     error: float  # relative error (inf: a pass failed)
     index: int | None = None
     detail: str = ""
+    params: tuple[str, ...] = ()  # parameters a failed pass named (a generic owner whose replay raised)
 
     def line(self) -> str:
         at = f" of sample {self.index}" if self.index is not None else ""
@@ -561,7 +562,8 @@ def _engine_failed(e: BaseException) -> Finding:
     if any(f.filename.replace("\\", "/").endswith("/cache_utils.py") for f in traceback.extract_tb(e.__traceback__)):
         hint = (" [raised inside transformers' key/value cache: the model updates a cache in its forward, which a "
                 "per-sample replay repeats; call it with use_cache=False for training]")
-    return Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}{hint}")
+    return Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}{hint}",
+                   params=tuple(getattr(e, "fastdp_params", ())))
 
 
 def _free(records: list[Any]) -> None:
@@ -801,7 +803,8 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
              suspects: Sequence[str] = (), fell_back: bool = False) -> str:
     owner = {n: (n.rpartition(".")[0] or "<root>") for n in engine._trainable}
     worst = sorted(findings, key=lambda f: -f.error)[:5]
-    params = sorted({f.where.strip("'") for f in findings if f.where.strip("'") in owner})
+    params = sorted({f.where.strip("'") for f in findings if f.where.strip("'") in owner}
+                    | {n for f in findings for n in f.params if n in owner})
     if not params and suspects:  # a pass failed: the expanded modules' parameters are the ones at stake
         params = sorted(n for n in owner if owner[n] in suspects)
     modules = sorted({owner[n] for n in params} | set(suspects))

@@ -252,7 +252,17 @@ class GenericKind(LayerKind):
                 logger.info("module %s (%s): vmap failed (%s); replaying one sample at a time", label,
                             type(module).__name__, str(e).splitlines()[0][:200])
                 with replayed_rng(call.rng):
-                    grads, outs = _loop(one, args_b, kwargs_b, cots, (arg_dims, kwarg_dims), B)
+                    try:
+                        grads, outs = _loop(one, args_b, kwargs_b, cots, (arg_dims, kwarg_dims), B)
+                    except RuntimeError as e1:  # named: which owner, which parameters (the probe's evidence)
+                        err = RuntimeError(
+                            f"module {label} ({type(module).__name__}) could not be replayed on one sample to get "
+                            f"the per-sample gradients of its parameters {names_l}: {str(e1).rstrip('.')}. Its "
+                            "output for one sample is not that sample's row of its output for the batch (an output "
+                            "that mixes samples, such as a (B, B) similarity matrix scaled by one of these "
+                            "parameters); freeze them or compute that part outside the model")
+                        err.fastdp_params = tuple(f"{call.label}.{n}" if call.label else n for n in names_l)
+                        raise err from e1
         for j, (got, want) in enumerate(zip(outs, call.outputs, strict=True)):
             d = out_dims[j]
             got = got.reshape(want.shape) if d == 0 else got.squeeze(d + 1).movedim(0, d)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import pytest
@@ -89,6 +90,10 @@ MASK = torch.tensor([[True, True, False, True], [False, True, True, True], [True
 SUBSET = torch.tensor([0, 2, 3])
 POS = torch.randint(0, T, (B, 2), generator=_g)
 U8 = torch.tensor([1, 0, 1, 0, 0], dtype=torch.uint8)
+CTC_TARGETS = torch.randint(1, V, (B, 2), generator=_g)
+CONV_W = torch.randn(3, V, 2, generator=_g, dtype=torch.float64)
+BILINEAR_W = torch.randn(2, V, V, generator=_g, dtype=torch.float64)
+D = torch.distributions
 
 
 def _pool(y):
@@ -161,6 +166,38 @@ SEPARABLE = {
     ])).mean(),
     "reductions with numpy keywords": lambda o: o.amax(axis=-1).pow(2).sum() + o.logsumexp(axis=-1, keepdims=True
                                                                                               ).exp().sum(),
+    # functions that mix a sample's own elements, products written other ways, torch.distributions
+    "cumsum along time": lambda o: o.cumsum(1).tanh().sum(),
+    "diff along time, the sample's first step prepended": lambda o: torch.diff(o, dim=1, prepend=o[:, :1]).pow(2).sum(),
+    "cumsum over the batch, then linear": lambda o: (o.cumsum(0) * TEACHER).sum() + o.pow(2).sum(),
+    "diff over the batch, summed": lambda o: o.diff(dim=0).sum() + o.tanh().sum(),
+    "einsum with an ellipsis": lambda o: torch.einsum("...v,...v->...", o, o).tanh().mean(),
+    "einsum with the implicit output": lambda o: torch.einsum("btv,v", o, TEACHER[0, 0]).tanh().sum(),
+    "a Normal's log-probability": lambda o: -D.Normal(o[..., 0], o[..., 1].exp()).log_prob(TEACHER[..., 0]).mean(),
+    "a Categorical's log-probability and entropy": lambda o: (
+        -D.Categorical(logits=o).log_prob(Y_TOK.clamp(min=0)) - 0.1 * D.Categorical(logits=o).entropy()).mean(),
+    "KL between the model's Normal and a prior": lambda o: D.kl_divergence(
+        D.Normal(o[..., 0], o[..., 1].exp()), D.Normal(0.0, 1.0)).sum(),
+    "CTC loss, the batch at dimension 1": lambda o: F.ctc_loss(o.log_softmax(-1).transpose(0, 1), CTC_TARGETS,
+                                                               torch.full((B,), T), torch.full((B,), 2)),
+    "conv1d over time": lambda o: F.conv1d(o.transpose(1, 2), CONV_W, padding=1).tanh().sum(),
+    "max pool over time": lambda o: F.max_pool1d(o.transpose(1, 2), 2).pow(2).sum(),
+    "windows over time (unfold)": lambda o: o.unfold(1, 2, 1).logsumexp(-1).sum(),
+    "scatter_add into the classes": lambda o: torch.zeros_like(o).scatter_add(
+        -1, Y_TOK.clamp(min=0)[..., None].expand(B, T, V), o).pow(2).sum(),
+    "index_add along time": lambda o: torch.zeros(B, 2, V, dtype=o.dtype).index_add(
+        1, torch.tensor([0, 1, 1, 0]), o).pow(2).sum(),
+    "each row repeated in place, then its own copies": lambda o: (lambda r: (r[::2] * r[1::2].tanh()).sum())(
+        o.repeat_interleave(2, dim=0)),
+    "addmm with a bias": lambda o: torch.addmm(TEACHER[0, 0], o[:, 0], TEACHER[0, :, :V].T @ TEACHER[0]).tanh().sum(),
+    "baddbmm within samples": lambda o: torch.baddbmm(torch.zeros(1, T, T, dtype=o.dtype), o, o.transpose(1, 2)
+                                                      ).tanh().sum(),
+    "tensordot over the classes": lambda o: torch.tensordot(o, TEACHER[0, 0], dims=([2], [0])).tanh().sum(),
+    "bilinear of two positions": lambda o: F.bilinear(o[:, 0], o[:, 1], BILINEAR_W).tanh().sum(),
+    "sum_to_size": lambda o: o.sum_to_size(B, 1, V).pow(2).sum(),
+    "a token drawn from each row's own distribution": lambda o: o.log_softmax(-1).gather(-1, torch.multinomial(
+        o.detach().softmax(-1).view(-1, V), 1, generator=torch.Generator().manual_seed(0)).view(B, T, 1)).sum(),
+    "gather at the row's own argmax": lambda o: o.gather(-1, o.detach().argmax(-1, keepdim=True)).pow(2).sum(),
 }
 SEPARABLE_TWO = {
     "R-Drop (two passes, KL per row)": lambda a, b: F.kl_div(a.log_softmax(-1), b.softmax(-1), reduction="batchmean"),
@@ -203,6 +240,19 @@ COUPLED = {
     "narrow with a negative start": lambda o: (o[0:1] * o[1:].narrow(0, -1, 1).tanh()).sum(),
     "a uint8 index is a mask": lambda o: (o[U8] * o[torch.tensor([1, 0])]).sum(),
     "var(True) over everything": lambda o: o.var(True) * o.sum(),
+    # functions that mix elements, products written other ways, torch.distributions
+    "cumsum over the batch, then a nonlinearity": lambda o: o.cumsum(0).tanh().sum(),
+    "diff over the batch, squared": lambda o: o.diff(dim=0).pow(2).sum(),
+    "CTC loss with the batch as time (not transposed)": lambda o: F.ctc_loss(
+        o.log_softmax(-1), CTC_TARGETS[:T], torch.full((T,), B), torch.full((T,), 2)),
+    "a Normal fitted to the batch": lambda o: -D.Normal(o.mean(0), 1.0).log_prob(o).sum(),
+    "tensordot over the batch": lambda o: torch.tensordot(o, o, dims=([0], [0])).tanh().sum(),
+    "einsum with the implicit output, summed over the batch": lambda o: torch.einsum("btv,btw", o, o).tanh().sum(),
+    "einsum with an ellipsis, across samples": lambda o: torch.einsum("b...,c...->bc", o, o).logsumexp(1).sum(),
+    "addmm of in-batch similarities": lambda o: torch.addmm(torch.zeros(B, B, dtype=o.dtype), _pool(o), _pool(o).T
+                                                            ).logsumexp(1).sum(),
+    "rows repeated in place, then shifted": lambda o: (o.repeat_interleave(2, 0)[1:B + 1] * o).sum(),
+    "bilinear of different samples' rows": lambda o: F.bilinear(o[:, 0], o[PERM, 1], BILINEAR_W).sum(),
 }
 COUPLED_TWO = {
     "CLIP": lambda a, b: F.cross_entropy(_pool(a) @ _pool(b).T / 0.07, torch.arange(B)),
@@ -297,6 +347,15 @@ UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, 
     "Python's max over per-sample losses": lambda o: max(o.pow(2).mean((1, 2))),
     "an in-place write through a flat view": lambda o: (lambda z: (z.view(-1).add_(z.sum()), z.tanh().sum())[1])(
         o.clone()),
+    "index_add over the batch, permuted": lambda o: (torch.zeros_like(o).index_add(0, PERM, o) * o).sum(),
+    "conv1d with the batch as channels": lambda o: F.conv1d(o.permute(2, 0, 1), CONV_W[:, :B]).tanh().sum(),
+    "windows over the batch (unfold)": lambda o: o.unfold(0, 2, 1).logsumexp(-1).sum(),
+    # an index computed from the batch selecting within one sample (separable before 2026-11-27: the index was
+    # not looked at once the values were one sample's)
+    "gather of one sample's row at the batch's argmax": lambda o: o[0].gather(0, o.detach().argmax(0)[:1] % T
+                                                                              ).pow(2).sum(),
+    "take_along_dim of one sample's row at the batch's argmax": lambda o: torch.take_along_dim(
+        o[0], o.detach().argmax(0)[:, :1], 1).pow(2).sum(),
 }
 
 
@@ -378,6 +437,27 @@ def _step(op: str, x: torch.Tensor) -> torch.Tensor:
         return torch.where(x.detach() > x.detach().mean(0), x, 0.5 * x)
     if op == "per_sample_loop":
         return torch.stack([r.tanh() for r in x])
+    if op == "cumsum_batch":
+        return x + 0.3 * x.cumsum(0)
+    if op == "cumsum_time":
+        return 0.5 * x.cumsum(1)
+    if op == "diff_time":
+        return torch.diff(x, dim=1, prepend=x[:, :1])
+    if op == "conv_time":
+        return 0.3 * F.conv1d(x.transpose(1, 2), MIX[..., None].expand(V, V, 3), padding=1).transpose(1, 2)
+    if op == "repeat_interleave_rows":
+        r = x.repeat_interleave(2, 0)
+        return 0.5 * r[::2] + r[1::2].tanh()
+    if op == "scatter_add_last":
+        return x + 0.5 * torch.zeros_like(x).scatter_add(-1, SCATTER_INDEX, x)
+    if op == "einsum_ellipsis":
+        return torch.einsum("...v,vw->...w", x, MIX)
+    if op == "index_add_batch":
+        return x + 0.5 * torch.zeros_like(x).index_add(0, PERM, x)
+    if op == "addmm_rows":
+        return torch.addmm(MIX[0], x.reshape(-1, V), MIX).reshape(x.shape)
+    if op == "gather_own_argmax":
+        return x * x.gather(-1, x.detach().argmax(-1, keepdim=True)).tanh()
     raise AssertionError(op)
 
 
@@ -385,12 +465,16 @@ WEIGHTS = torch.rand(B, T, V, generator=torch.Generator().manual_seed(9), dtype=
 OPS = ["tanh", "square", "exp", "log_softmax_last", "softmax_batch", "center_batch", "scale_by_batch_norm",
        "mean_last", "transpose_back", "flatten_back", "roll_batch", "own_gram", "batch_gram", "lse_batch",
        "add_detached_own", "anchor_first", "cat_chunk", "perm_rows", "where_own", "where_batch",
-       "per_sample_loop"]
+       "per_sample_loop", "cumsum_batch", "cumsum_time", "diff_time", "conv_time", "repeat_interleave_rows",
+       "scatter_add_last", "einsum_ellipsis", "index_add_batch", "addmm_rows", "gather_own_argmax"]
+MIX = torch.randn(V, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64) / V
+SCATTER_INDEX = torch.randint(0, V, (B, T, V), generator=torch.Generator().manual_seed(7))
 PERM = torch.tensor([3, 0, 4, 1, 2])
+FUZZ_EXAMPLES = int(os.environ.get("FASTDP_FUZZ_EXAMPLES", "60"))  # more, locally: FASTDP_FUZZ_EXAMPLES=20000
 SIGNS = torch.randint(0, 2, (B, T, V), generator=torch.Generator().manual_seed(4)).double() * 2 - 1
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True)
 @given(st.lists(st.sampled_from(OPS), min_size=1, max_size=4), st.sampled_from(["sum", "mean", "sq_sum"]),
        st.integers(0, 3))
 def test_random_loss_programs_match_the_oracle(ops, final, seed):
@@ -515,6 +599,60 @@ def test_an_untraceable_loss_is_unverified_not_refused(caplog):
     opt.step()
     assert eng.steps == 1 and eng.probe_stats["loss_traces"] == {"unverified": 1}
     assert "fft_fft" in caplog.text
+
+
+def test_an_unverified_loss_warns_once_then_logs(caplog):
+    model = Encoder()
+    eng, opt = _engine(model)
+    caplog.set_level("INFO", logger="fastdp.loss_trace_verdicts")
+    for _ in range(2):
+        torch.fft.fft(model(X1)).real.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    levels = [r.levelname for r in caplog.records if "not verified" in r.getMessage()]
+    assert levels == ["WARNING", "INFO"] and 'verify_loss="strict"' in caplog.text
+
+
+def test_strict_refuses_an_unverified_loss_before_anything_is_released():
+    model = Encoder()
+    eng, opt = _engine(model, verify_loss="strict")
+    torch.fft.fft(model(X1)).real.pow(2).mean().backward()
+    with pytest.raises(StructureError, match=r'verify_loss="strict".*does not follow fft_fft'):
+        opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert eng.steps == 0 and eng.accountant.ledger.steps == 0
+    opt.zero_grad()
+    torch.fft.fft(model(X1)).real.pow(2).mean().backward()  # refused again: the trace starts its count again
+    with pytest.raises(StructureError, match="strict"):
+        opt.step()
+    opt.zero_grad()
+    F.cross_entropy(model(X1), LAB).backward()  # a loss the trace follows trains
+    opt.step()
+    assert eng.steps == 1 and eng.probe_stats["loss_traces"] == {"unverified": 2, "separable": 1}
+
+
+def test_strict_refuses_a_cross_entropy_whose_weights_fit_no_per_sample_form():
+    """A class-weighted mean divides by the batch's sum of weights: the loss check cannot verify it (logged by
+    default); strict refuses it, and a class-weighted sum too (a false refusal the message explains)."""
+    w = torch.tensor([1.0, 3.0, 0.5, 2.0])
+    for reduction in ("mean", "sum"):
+        model = Encoder()
+        eng, opt = _engine(model, verify_loss="strict")
+        F.cross_entropy(model(X1), LAB, weight=w, reduction=reduction).backward()
+        with pytest.raises(StructureError, match=r'verify_loss="strict".*class-weighted'):
+            opt.step()
+        assert eng.steps == 0 and all(p.grad is None for p in model.parameters())
+    model = Encoder()
+    eng, opt = _engine(model)
+    F.cross_entropy(model(X1), LAB, weight=w).backward()
+    opt.step()  # verify_loss=True: logged, trained
+    assert eng.steps == 1
+
+
+@pytest.mark.parametrize("bad", ["yes", 1.5, None, "Strict"])
+def test_verify_loss_rejects_other_values(bad):
+    with pytest.raises(ValueError, match=r"verify_loss=.*expected True.*\"strict\".*False"):
+        make_engine(Encoder(), batch_size=8, sigma=0.0, verify_loss=bad)
 
 
 def test_hf_model_output_is_traced():

@@ -501,16 +501,17 @@ class ClipWholeEmbeds(nn.Module):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_clip_model_called_whole_needs_logit_scale_frozen():
     """CLIPModel's own forward multiplies the (B, B) similarities by its raw parameter logit_scale, so the whole
-    model is that parameter's owner and cannot be replayed per sample: the structure probe refuses (its message
-    names the position embeddings, docs/reference/models.md says to freeze logit_scale). Frozen, the call passes
-    the probe, and a contrastive loss on the embeddings is refused by the loss trace."""
+    model is that parameter's owner and cannot be replayed per sample: the structure probe refuses, naming
+    m.logit_scale and its owner's failed replay (it named only the position embeddings before 2026-11-27).
+    Frozen, the call passes the probe, and a contrastive loss on the embeddings is refused by the loss trace."""
     torch.manual_seed(0)
     (x, _), = clip_batches([4], 1)
     model = ClipWholeEmbeds(clip().to(D))
     engine = make_engine(model, batch_size=4)
     engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(fastdp.StructureError, match="structure probe"):
+    with pytest.raises(fastdp.StructureError, match=r"structure probe.*Parameters: \['m\.logit_scale'\]") as err:
         model(*x)
+    assert "module 'm' (CLIPModel) could not be replayed on one sample" in str(err.value)
     model = ClipWholeEmbeds(clip().to(D))
     model.m.logit_scale.requires_grad_(False)
     engine = make_engine(model, batch_size=4)
