@@ -127,7 +127,8 @@ class Capture:
         self.on_arrival = True  # instantiation on arrival (fastdp.norms.instantiate_on_arrival); off: benchmarks
         self.probe = ProbeState()
         self.loss = loss_check.LossCheck()  # the loss check's passes and verdicts per input signature
-        self.trace = loss_trace.LossTrace()  # the loss trace's passes and verdicts per input signature
+        # the loss trace's passes and verdicts per input signature (strict: every backward pass traced)
+        self.trace = loss_trace.LossTrace(every=getattr(engine, "verify_loss", True) == "strict")
         #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
         self.owner_layouts = layout.OwnerLayouts()
         self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)

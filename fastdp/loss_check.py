@@ -315,12 +315,12 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
             error = error or StructureError(_message(engine, p.summ, v, step_rows[key],
                                                      sum(1 for q, _ in judged if q.summ.label == p.summ.label), p.tol))
             continue
-        if kind not in AGAIN or (kind == "not recognised" and p.call in recognised_calls):
-            state.done.add(key)  # a verdict; or not the loss's logits (another output of the call was read)
         if kind == "unverified weights" and getattr(engine, "verify_loss", True) == "strict":
-            state.tries[p.sig] = 0
+            state.tries[p.sig] = 0  # refused again while the loss stays what it is
             error = error or StructureError(_strict_message(p.summ.label, v))
             continue
+        if kind not in AGAIN or (kind == "not recognised" and p.call in recognised_calls):
+            state.done.add(key)  # a verdict; or not the loss's logits (another output of the call was read)
         if kind == "unverified weights":
             logger.info("loss check: %s is a softmax cross-entropy whose weights (%.6g on a label row; %d label "
                         "rows, %d to %d per sample) fit neither a per-sample mean nor a per-sample sum, nor a "
@@ -345,8 +345,10 @@ def _strict_message(label: str, v: Verdict) -> str:
             "nor a per-sample sum, nor a constant times either, so the engine could not verify that no sample's "
             "weight depends on the other samples. Nothing was released. A class-weighted mean over the batch "
             "divides by the batch's sum of weights, which couples samples through their labels: use "
-            "reduction=\"sum\" divided by a constant. If each sample's weights depend on its own labels only "
-            "(a class-weighted sum), pass verify_loss=True, which logs such losses instead of refusing them.")
+            "reduction=\"none\", then a sum divided by a constant. If each sample's weights depend on that "
+            "sample alone (a class-weighted sum, a focal loss, importance weights from the sample's own data), the "
+            "loss is per-sample and strict mode refuses it only because it cannot tell: pass verify_loss=True, which "
+            "logs such losses instead of refusing them.")
 
 
 def _message(engine: Any, summ: RowSummary, v: Verdict, step_rows: int, passes: int, tol: float) -> str:

@@ -221,7 +221,7 @@ def combine(deps: list[tuple[Dep, tuple[int, ...]]], out: tuple[int, ...], addit
     grads = [(d, dims) for d, dims in al if d.grad]
     datas = [(d, dims) for d, dims in al if not d.grad]
     for d, _ in al:
-        if d.kind == COUPLED and (d.grad or not additive):
+        if d.kind == COUPLED and (d.grad or not additive or not grad):  # (data only: a coupled value stays one)
             if grad and not d.grad:
                 return coupled(book, grad, f"{name} by a value computed from several samples' outputs ({d.why})")
             return coupled(book, grad, name, d)
@@ -391,7 +391,7 @@ def contract(specs: list[tuple[Dep | None, str]], out: str, name: str,
         if len(traced) == 1:
             return traced[0][0]
         return coupled(book, grad, f"{name} of a sum over samples and another traced value")
-    if grad and any(not d.grad and d.kind not in (ROWS, PAIRS) for d, _ in traced):
+    if grad and any(not d.grad and d.kind not in (ROWS, PAIRS, ONE) for d, _ in traced):  # (ONE: below)
         return coupled(book, grad, f"{name} weighted by values of other samples")
     ones = {d.maps[0] for d, _ in traced if d.kind == ONE}
     letters: dict[str, Any] = {}

@@ -96,11 +96,13 @@ class Traced(torch.Tensor):
 
     _fdp_dep: Dep
 
-    def __reduce_ex__(self, proto: Any) -> Any:  # torch.save, pickle: saved as the plain tensor it aliases
+    def __reduce_ex__(self, proto: Any) -> Any:  # torch.save, pickle, copy.copy: the plain tensor it aliases
+        self._fdp_dep.book.unknown.add("a copy made outside torch (copy.copy, pickle, torch.save)")
         with torch_api.torch_function_subclasses_off():
             return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # copy.deepcopy: a plain tensor
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # copy.deepcopy: a plain tensor (the copy is not traced)
+        self._fdp_dep.book.unknown.add("copy.deepcopy")
         with torch_api.torch_function_subclasses_off():
             return self.as_subclass(torch.Tensor).__deepcopy__(memo)
 

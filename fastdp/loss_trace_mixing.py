@@ -40,9 +40,10 @@ CONV = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "c
         "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
         "adaptive_max_pool1d_with_indices", "adaptive_max_pool2d_with_indices", "adaptive_max_pool3d_with_indices",
         "lp_pool1d", "lp_pool2d", "lp_pool3d", "interpolate", "pixel_shuffle", "pixel_unshuffle"}
+#: fixed linear combinations of the input's elements (interpolate: in every mode)
 _LINEAR_CONV = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                 "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-                "adaptive_avg_pool3d", "pixel_shuffle", "pixel_unshuffle"}
+                "adaptive_avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "interpolate"}
 SCATTER = {"scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill", "index_reduce"}
 VALIDATION = {"_is_all_true", "_is_any_true"}
 
@@ -61,6 +62,8 @@ def rule_linear_along(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], 
         dim = arg(args, kwargs, 1, "dim")
     else:
         dim = arg(args, kwargs, 2, "dim", -1)
+        if arg(args, kwargs, 1, "n", 1) == 0:
+            return d  # the input itself
         extra = [arg(args, kwargs, 3, "prepend"), arg(args, kwargs, 4, "append")]
         if any(isinstance(t, torch.Tensor) and dep(t) is not None for t in extra):
             parts = [t for t in (extra[0], x, extra[1]) if isinstance(t, torch.Tensor)]

@@ -30,6 +30,7 @@ from fastdp.loss_deps import (
     coupled,
     data,
     reduce,
+    single_sample,
     unary,
 )
 from fastdp.loss_trace_mixing import (
@@ -273,7 +274,30 @@ def _class_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
             return rows if rows.kind == COUPLED else None
         row_shape = tuple(x.shape[:cls]) + tuple(x.shape[cls + 1:])
         rows = combine([(rows, row_shape), (t, tuple(target.shape))], row_shape, False, name)
+    if reduction == "mean" and _weighted_mean_of_samples(args, kwargs, rows, x, cls):
+        return coupled(d.book, d.grad, f"{name} with class weights and reduction='mean', which divides by the sum of "
+                                       "the weights of every sample's labels (a divisor from the other samples' "
+                                       "labels; use reduction='none', then a sum divided by a constant)", d)
     return rows if reduction == "none" else reduce(rows, max(n - 1, 0), None, False, True, name)
+
+
+def _weighted_mean_of_samples(args: tuple[Any, ...], kwargs: dict[str, Any], rows: Dep, x: torch.Tensor,
+                              cls: int) -> bool:
+    """Whether a class-weighted ``reduction="mean"`` divides rows of several samples by ``Σ_r w[y_r]``, a sum over
+    their labels (unequal weights at the labels: with equal ones it is a constant times the row count)."""
+    weight, target = arg(args, kwargs, 2, "weight"), arg(args, kwargs, 1, "target")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(target, torch.Tensor) \
+            or target.is_floating_point() or rows.kind not in (ROWS, PAIRS):
+        return False
+    row_shape = tuple(x.shape[:cls]) + tuple(x.shape[cls + 1:])
+    if rows.kind == ROWS and single_sample(rows.maps[0], row_shape[rows.dims[0]]):
+        return False  # one sample's rows: the divisor is its own labels'
+
+    labels = target.reshape(-1)
+    labels = labels[(labels != arg(args, kwargs, 4, "ignore_index", -100)) & (labels >= 0)
+                    & (labels < weight.numel())]
+    w = weight.detach().to(torch.float64)[labels]
+    return bool(w.numel()) and bool((w != w[0]).any())
 
 
 def _element_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:

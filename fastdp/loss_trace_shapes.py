@@ -147,8 +147,12 @@ def rule_getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
         return None
     parts = idx if isinstance(idx, tuple) else (idx,)
     bounds = [b for i in parts if isinstance(i, slice) for b in (i.start, i.stop, i.step)]
-    if any(dep(i) is not None for i in (*parts, *bounds)):  # a traced index or slice bound: not followed
+    if any(dep(i) is not None for i in bounds):  # a traced slice bound: not followed
         return None
+    traced_idx = {id(i): dep(i) for i in parts if dep(i) is not None}
+    if traced_idx and (d.kind != ROWS or any(not isinstance(i, torch.Tensor) or i.dtype == torch.bool
+                                             for i in parts if id(i) in traced_idx)):
+        return None  # a traced index: followed only as a sample's own index into its row (below)
     if d.kind in (SEP, COUPLED, ONE):
         return d
     idx = idx if isinstance(idx, tuple) else (idx,)
@@ -162,8 +166,9 @@ def rule_getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
                              for i in idx if i is not None and i is not Ellipsis)
         idx = idx[:k] + (slice(None),) * fill + idx[k + 1:]
     tensors = [i for i in idx if isinstance(i, torch.Tensor)]
-    if tensors and (len(tensors) > 1 or any(t.dtype == torch.bool for t in tensors) or d.kind != ROWS):
-        return _advanced(x, d, idx, res)
+    if tensors and (len(tensors) > 1 or any(t.dtype == torch.bool for t in tensors) or d.kind != ROWS
+                    or traced_idx):
+        return _advanced(x, d, idx, res, traced_idx)
     # basic indexing (and one integer index tensor): walk input and output dimensions
     dims, maps = [], []
     i_in = i_out = 0
@@ -201,12 +206,15 @@ def rule_getitem(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: 
     return Dep(d.kind, d.grad, d.book, tuple(dims), tuple(maps))
 
 
-def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any) -> Dep | None:
+def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any, traced: dict[int, Dep] | None = None) -> Dep | None:
     """Advanced indexing (adjacent index tensors). When the batch dimension is among the indexed ones, the result's
     dimension ``first`` holds the selected elements, each one sample's: for one boolean mask, the True positions in
     order (their batch coordinates read on the host); for 1-D integer index tensors of one length, the batch
     dimension's index. Any other form (broadcast index shapes) is not followed. Rows stay where they are when the
-    batch dimension comes before the indexed ones."""
+    batch dimension comes before the indexed ones. ``traced``: index tensors computed from the outputs (by ``id``),
+    followed only off the batch dimension and only where each result row's index comes from that row's own sample
+    (``x[arange(B), x.detach().argmax(-1)]``): an index that is data of other samples picks by their values."""
+    traced = traced or {}
     if d.kind != ROWS:
         return None
     x_dim = 0
@@ -228,10 +236,14 @@ def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any) -> Dep | None:
         return None
     b = d.dims[0]
     if b < first:
+        if traced:
+            return None
         return Dep(ROWS, d.grad, d.book, d.dims, d.maps) if res.dim() == x.dim() - len(span) + 1 else None
     if b not in span:
         return None
     m, rows = d.maps[0], x.shape[b]
+    if traced and not all(t.dtype != torch.bool for _, t in tensors):
+        return None
     if len(tensors) == 1 and tensors[0][1].dtype == torch.bool:
         start, mask = tensors[0]
         if mask.numel() > MAX_ROWS:
@@ -245,7 +257,7 @@ def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any) -> Dep | None:
             shape = torch.broadcast_shapes(*[t.shape for _, t in tensors])
         except RuntimeError:
             return None
-        if at is None or at.numel() > MAX_ROWS or len(shape) == 0:
+        if at is None or at.numel() > MAX_ROWS or len(shape) == 0 or id(at) in traced:
             return None
         full = at.expand(shape)
         axes = [a for a in range(len(shape)) if shape[a] > 1 and at.dim() - len(shape) + a >= 0
@@ -256,6 +268,12 @@ def _advanced(x: Any, d: Dep, idx: tuple[Any, ...], res: Any) -> Dep | None:
         line = full.movedim(a, 0).reshape(shape[a], -1)[:, 0]
         coords = line.tolist()
         new = take_map(m, coords, rows)
+        for _, t in tensors:  # a traced index: its rows along axis a must be the samples selected there
+            di = traced.get(id(t))
+            k = t.dim() - len(shape) + a
+            if di is not None and not (new is not None and di.kind == ROWS and di.dims == (k,)
+                                       and t.shape[k] == shape[a] and same_map(di.maps[0], new, shape[a])):
+                return None
         return None if new is None else Dep(ROWS, d.grad, d.book, (first + a,), (new,))
     else:
         return None

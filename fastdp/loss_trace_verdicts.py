@@ -30,6 +30,7 @@ class LossTrace:
     signatures; the backward passes of the step in progress (``pending``: the loss's ``Dep``, its book, the
     signatures)."""
 
+    every: bool = False  # trace every backward pass (verify_loss="strict"), not the first TRACE_PASSES
     warned: bool = False  # an unverified pass was logged as a warning (once per engine)
     passes: dict[Any, int] = field(default_factory=dict)
     arms: dict[Any, int] = field(default_factory=dict)
@@ -39,7 +40,7 @@ class LossTrace:
 
     def take(self, sig: Any) -> bool:
         """Whether to trace this forward call of signature ``sig`` (counted)."""
-        if self.passes.get(sig, 0) >= TRACE_PASSES or self.arms.get(sig, 0) >= MAX_ARMS:
+        if (not self.every and self.passes.get(sig, 0) >= TRACE_PASSES) or self.arms.get(sig, 0) >= MAX_ARMS:
             return False
         self.arms[sig] = self.arms.get(sig, 0) + 1
         return True
@@ -77,7 +78,7 @@ def settle(engine: Any, state: LossTrace) -> StructureError | None:
         refused = v == "coupled" or (strict and v == "unverified")
         for sig in sigs:
             state.passes[sig] = 0 if refused else state.passes.get(sig, 0) + 1
-            if refused:
+            if refused or state.every:  # (every pass traced: MAX_ARMS bounds the calls between judged passes)
                 state.arms[sig] = 0
         unknown = _unknown(book)
         if v == "coupled" and error is None and d is not None:

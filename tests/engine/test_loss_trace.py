@@ -198,6 +198,17 @@ SEPARABLE = {
     "a token drawn from each row's own distribution": lambda o: o.log_softmax(-1).gather(-1, torch.multinomial(
         o.detach().softmax(-1).view(-1, V), 1, generator=torch.Generator().manual_seed(0)).view(B, T, 1)).sum(),
     "gather at the row's own argmax": lambda o: o.gather(-1, o.detach().argmax(-1, keepdim=True)).pow(2).sum(),
+    "a sample's own detached values as einsum weights": lambda o: torch.einsum("tv,tv->", o[0], o[0].detach().exp()
+                                                                               ) + o.pow(2).sum(),
+    "a batch sum interpolated (linear), then summed": lambda o: F.interpolate(
+        o.sum(0, keepdim=True).transpose(1, 2), scale_factor=2, mode="linear").sum() + o.pow(2).sum(),
+    "diff with n=0 (the input)": lambda o: torch.diff(o, n=0, dim=0).pow(2).sum(),
+    "each row indexed at its own argmax": lambda o: o[:, 0].log_softmax(-1)[torch.arange(B), o[:, 0].detach(
+    ).argmax(-1)].sum(),
+    "selected rows indexed at their own argmax": lambda o: o[:, 0].log_softmax(-1)[PERM, o[:, 0].detach()[PERM]
+                                                                                    .argmax(-1)].pow(2).sum(),
+    "each row's own top two columns": lambda o: o[:, 0][torch.arange(B)[:, None], o[:, 0].detach().argsort(-1)[
+        :, :2]].pow(2).sum(),
 }
 SEPARABLE_TWO = {
     "R-Drop (two passes, KL per row)": lambda a, b: F.kl_div(a.log_softmax(-1), b.softmax(-1), reduction="batchmean"),
@@ -240,6 +251,13 @@ COUPLED = {
     "narrow with a negative start": lambda o: (o[0:1] * o[1:].narrow(0, -1, 1).tanh()).sum(),
     "a uint8 index is a mask": lambda o: (o[U8] * o[torch.tensor([1, 0])]).sum(),
     "var(True) over everything": lambda o: o.var(True) * o.sum(),
+    # a fourth red-team pass: detached per-row values combined with a detached batch statistic (were separable)
+    "a batch softmax written as exp(l - lse(l)), detached": lambda o: (lambda l: (l * (l.detach() - l.detach(
+    ).logsumexp(0)).exp()).sum())(o.pow(2).mean((1, 2))),
+    "weights from the distance to the batch maximum": lambda o: (o * (o.detach() - o.detach().amax(0))).sum(),
+    "hard-example mining against the batch maximum": lambda o: (lambda l: (l * ((l.detach() - l.detach().max())
+                                                                              > -0.3).double()).sum())(
+        o.pow(2).mean((1, 2))),
     # functions that mix elements, products written other ways, torch.distributions
     "cumsum over the batch, then a nonlinearity": lambda o: o.cumsum(0).tanh().sum(),
     "diff over the batch, squared": lambda o: o.diff(dim=0).pow(2).sum(),
@@ -356,6 +374,14 @@ UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, 
                                                                               ).pow(2).sum(),
     "take_along_dim of one sample's row at the batch's argmax": lambda o: torch.take_along_dim(
         o[0], o.detach().argmax(0)[:, :1], 1).pow(2).sum(),
+    "gather at the argmax of the distance to the batch maximum": lambda o: o.gather(2, (
+        o.detach() - o.detach().amax(0, keepdim=True)).argmax(2, keepdim=True)).pow(2).sum(),
+    "rows indexed at other samples' argmax": lambda o: o[:, 0].log_softmax(-1)[PERM, o[:, 0].detach().argmax(-1)
+                                                                               ].pow(2).sum(),
+    "every row indexed at every sample's argmax": lambda o: o[:, 0][torch.arange(B)[:, None], o[:, 0].detach(
+    ).argmax(-1)[None, :]].pow(2).sum(),
+    "batch weights copied by copy.deepcopy": lambda o: (lambda l: (l * __import__("copy").deepcopy(
+        l.detach().softmax(0))).sum())(o.pow(2).mean((1, 2))),
 }
 
 
@@ -458,6 +484,10 @@ def _step(op: str, x: torch.Tensor) -> torch.Tensor:
         return torch.addmm(MIX[0], x.reshape(-1, V), MIX).reshape(x.shape)
     if op == "gather_own_argmax":
         return x * x.gather(-1, x.detach().argmax(-1, keepdim=True)).tanh()
+    if op == "index_own_argmax":
+        return x + 0.5 * x[torch.arange(B)[:, None], torch.arange(T)[None, :], x.detach().argmax(-1)][..., None].tanh()
+    if op == "shift_by_batch_max":
+        return x * (x.detach() - x.detach().amax(0)).exp()
     raise AssertionError(op)
 
 
@@ -466,7 +496,8 @@ OPS = ["tanh", "square", "exp", "log_softmax_last", "softmax_batch", "center_bat
        "mean_last", "transpose_back", "flatten_back", "roll_batch", "own_gram", "batch_gram", "lse_batch",
        "add_detached_own", "anchor_first", "cat_chunk", "perm_rows", "where_own", "where_batch",
        "per_sample_loop", "cumsum_batch", "cumsum_time", "diff_time", "conv_time", "repeat_interleave_rows",
-       "scatter_add_last", "einsum_ellipsis", "index_add_batch", "addmm_rows", "gather_own_argmax"]
+       "scatter_add_last", "einsum_ellipsis", "index_add_batch", "addmm_rows", "gather_own_argmax", "index_own_argmax",
+       "shift_by_batch_max"]
 MIX = torch.randn(V, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64) / V
 SCATTER_INDEX = torch.randint(0, V, (B, T, V), generator=torch.Generator().manual_seed(7))
 PERM = torch.tensor([3, 0, 4, 1, 2])
@@ -631,22 +662,69 @@ def test_strict_refuses_an_unverified_loss_before_anything_is_released():
     assert eng.steps == 1 and eng.probe_stats["loss_traces"] == {"unverified": 2, "separable": 1}
 
 
+def test_strict_traces_every_pass_so_a_loss_that_changes_later_is_refused():
+    """By default only the first TRACE_PASSES passes of a signature are traced: a loss that turns into a coupled
+    (or untraceable) one after them trains. ``"strict"`` traces every pass, so it is refused when it changes."""
+    n = loss_trace.TRACE_PASSES + 2
+    for mode, refused in ((True, False), ("strict", True)):
+        model = Encoder()
+        eng, opt = _engine(model, verify_loss=mode)
+        for _ in range(n):
+            F.cross_entropy(model(X1), LAB).backward()
+            opt.step()
+            opt.zero_grad()
+        clip_loss(model).backward()  # a contrastive loss from step n on
+        if refused:
+            with pytest.raises(StructureError, match="couples samples"):
+                opt.step()
+            assert eng.steps == n and eng.probe_stats["loss_traces"] == {"separable": n, "coupled": 1}
+        else:
+            opt.step()
+            assert eng.steps == n + 1 and eng.probe_stats["loss_traces"] == {"separable": loss_trace.TRACE_PASSES}
+
+
 def test_strict_refuses_a_cross_entropy_whose_weights_fit_no_per_sample_form():
     """A class-weighted mean divides by the batch's sum of weights: the loss check cannot verify it (logged by
     default); strict refuses it, and a class-weighted sum too (a false refusal the message explains)."""
     w = torch.tensor([1.0, 3.0, 0.5, 2.0])
-    for reduction in ("mean", "sum"):
-        model = Encoder()
-        eng, opt = _engine(model, verify_loss="strict")
-        F.cross_entropy(model(X1), LAB, weight=w, reduction=reduction).backward()
+    model = Encoder()
+    eng, opt = _engine(model, verify_loss="strict")
+    for _ in range(3):  # refused at every step, not only the first (found by a red-team pass)
+        (F.cross_entropy(model(X1), LAB, weight=w, reduction="none") * 2).mean().backward()
         with pytest.raises(StructureError, match=r'verify_loss="strict".*class-weighted'):
             opt.step()
+        opt.zero_grad()
         assert eng.steps == 0 and all(p.grad is None for p in model.parameters())
     model = Encoder()
     eng, opt = _engine(model)
-    F.cross_entropy(model(X1), LAB, weight=w).backward()
-    opt.step()  # verify_loss=True: logged, trained
+    F.cross_entropy(model(X1), LAB, weight=w, reduction="sum").backward()
+    opt.step()  # verify_loss=True: logged, trained (a class-weighted sum is per-sample)
     assert eng.steps == 1
+
+
+def test_a_class_weighted_mean_over_the_batch_is_refused():
+    """``F.cross_entropy(weight=w)`` with ``reduction="mean"`` divides by ``Σ_r w[y_r]`` over the batch's labels:
+    each sample's weight depends on the others' labels, as in a token mean. Refused by default (by the trace, from
+    the call's arguments); equal weights at the labels, or one sample's rows, are not."""
+    w = torch.tensor([1.0, 3.0, 0.5, 2.0])
+    model = Encoder()
+    eng, opt = _engine(model)
+    F.cross_entropy(model(X1), LAB, weight=w).backward()
+    with pytest.raises(StructureError, match="class weights and reduction='mean'"):
+        opt.step()
+    assert eng.steps == 0 and all(p.grad is None for p in model.parameters())
+    opt.zero_grad()
+    F.nll_loss(model(X1).log_softmax(-1), LAB, weight=w).backward()
+    with pytest.raises(StructureError, match="class weights"):
+        opt.step()
+    opt.zero_grad()
+    F.cross_entropy(model(X1), LAB, weight=torch.full((4,), 2.0)).backward()  # equal weights: a plain mean
+    opt.step()
+    opt.zero_grad()
+    out = model(X1)
+    torch.stack([F.cross_entropy(out[i:i + 1], LAB[i:i + 1], weight=w) for i in range(8)]).sum().backward()
+    opt.step()  # one sample's rows each: its own divisor
+    assert eng.steps == 2
 
 
 @pytest.mark.parametrize("bad", ["yes", 1.5, None, "Strict"])
@@ -700,6 +778,8 @@ def test_traced_outputs_save_and_copy_as_plain_tensors(tmp_path):
     assert type(pickle.loads(pickle.dumps(t))) is torch.Tensor
     assert type(copy.deepcopy(t)) is torch.Tensor
     assert f"{t.sum():.3f}" == f"{t.as_subclass(torch.Tensor).sum():.3f}"  # a format spec on a traced scalar
+    # the copies are not traced: a pass that makes them is unverified (weights copied this way are not seen)
+    assert book.unknown == {"copy.deepcopy", "a copy made outside torch (copy.copy, pickle, torch.save)"}
 
 
 def test_a_value_of_several_samples_fed_back_into_the_model_is_unverified():
