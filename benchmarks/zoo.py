@@ -15,11 +15,12 @@ A *method* is how one training step is taken:
   instantiated by hooks, or its two-backward ghost clipping;
 * variants of the default mode for A/B measurements (``VARIANTS``): ``fastdp BK-MixOpt, on arrival off``
   (instantiation on arrival switched off, docs/internals/clipping.md), ``fastdp BK-MixOpt, no probe``
-  (``verify_structure=False``), ``fastdp BK-MixOpt, slack 1.25`` (``fastdp.layers._matmul.INSTANTIATION_SLACK``
-  1.25 during its steps, ``MODULE_SWITCHES``) and ``fastdp BK-MixOpt, full Grams`` (ghost norms from whole ``T x T``
-  Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP`` at one strip) and ``fastdp BK-MixOpt,
-  aligned Grams`` (at a ``T`` that is not a multiple of 16, a leading strip of ``T mod 16`` rows:
-  ``fastdp.layers._matmul.GRAM_ALIGN``, not adopted).
+  (``verify_structure=False``), ``fastdp BK-MixOpt, no loss check`` (``verify_loss=False``), ``fastdp BK-MixOpt,
+  strict loss check`` (``verify_loss="strict"``: the loss traced at every step), ``fastdp BK-MixOpt, slack 1.25``
+  (``fastdp.layers._matmul.INSTANTIATION_SLACK`` 1.25 during its steps, ``MODULE_SWITCHES``) and ``fastdp BK-MixOpt,
+  full Grams`` (ghost norms from whole ``T x T`` Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP``
+  at one strip) and ``fastdp BK-MixOpt, aligned Grams`` (at a ``T`` that is not a multiple of 16, a leading strip of
+  ``T mod 16`` rows: ``fastdp.layers._matmul.GRAM_ALIGN``, not adopted).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -49,6 +50,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, on arrival off": ({}, {"_capture.on_arrival": False}),
     f"{DEFAULT_METHOD}, no probe": ({"verify_structure": False}, {}),
     f"{DEFAULT_METHOD}, no loss check": ({"verify_loss": False}, {}),
+    f"{DEFAULT_METHOD}, strict loss check": ({"verify_loss": "strict"}, {}),  # every pass traced
     f"{DEFAULT_METHOD}, slack 1.25": ({}, {}),
     f"{DEFAULT_METHOD}, full Grams": ({}, {}),
     f"{DEFAULT_METHOD}, aligned Grams": ({}, {}),
