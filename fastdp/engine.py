@@ -131,9 +131,10 @@ class PrivacyEngine:
             signature it also *traces* the loss (:mod:`fastdp.loss_trace`: the model's outputs are returned as
             aliases whose torch operations are followed) and refuses a loss that couples samples (in-batch
             negatives, a softmax or log-sum-exp over the batch, weights or divisors computed from other samples'
-            outputs); verdicts in ``probe_stats["loss_traces"]``. A loss it cannot verify (an operation the trace
-            does not follow, a cross-entropy whose weights fit no per-sample form) is logged (a warning, the first
-            time) and trained; ``"strict"`` refuses it too, the same way. ``False`` turns both checks off.
+            outputs); verdicts in ``probe_stats["loss_traces"]``. A loss the trace cannot verify (an operation it
+            does not follow before the backward pass) is logged (a warning, the first time) and trained;
+            ``"strict"`` traces every backward pass (not the first two) and refuses it too, the same way. ``False``
+            turns both checks off.
         distributed: ``None`` (default): data-parallel over ``torch.distributed``'s default group when it is
             initialised (every rank builds the engine with the same arguments; ``batch_size`` and ``sample_size``
             are global; each rank runs forward and backward on its part of the batch; the clipped sums are

@@ -315,17 +315,15 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
             error = error or StructureError(_message(engine, p.summ, v, step_rows[key],
                                                      sum(1 for q, _ in judged if q.summ.label == p.summ.label), p.tol))
             continue
-        if kind == "unverified weights" and getattr(engine, "verify_loss", True) == "strict":
-            state.tries[p.sig] = 0  # refused again while the loss stays what it is
-            error = error or StructureError(_strict_message(p.summ.label, v))
-            continue
         if kind not in AGAIN or (kind == "not recognised" and p.call in recognised_calls):
             state.done.add(key)  # a verdict; or not the loss's logits (another output of the call was read)
         if kind == "unverified weights":
-            logger.info("loss check: %s is a softmax cross-entropy whose weights (%.6g on a label row; %d label "
-                        "rows, %d to %d per sample) fit neither a per-sample mean nor a per-sample sum, nor a "
-                        "constant times either: the loss is not verified", p.summ.label, v.weight, v.total,
-                        *v.counts)
+            logger.info("loss check: the gradient at %s has the form of a softmax cross-entropy's, with weights "
+                        "that vary between label rows (median %.6g; %d label rows, %d to %d per sample) and fit "
+                        "neither a per-sample mean nor a per-sample sum, nor a constant times either: per-sample "
+                        "weights (a focal loss, importance weights) or weights that depend on the other samples' "
+                        "labels (a class-weighted mean written by hand); not verified by the loss check",
+                        p.summ.label, v.weight, v.total, *v.counts)
         else:
             logger.debug("loss check: %s: %s", p.summ.label, kind)
     for sig in {p.sig for p, _ in judged}:
@@ -337,18 +335,6 @@ def settle(engine: Any, state: LossCheck) -> StructureError | None:
                            "fastdp.losses.check_per_sample_loss (docs/reference/losses.md)",
                            ", ".join(sorted(state.labels.get(sig, ()))))
     return error
-
-
-def _strict_message(label: str, v: Verdict) -> str:
-    return (f"verify_loss=\"strict\": {label} is a softmax cross-entropy whose weights ({v.weight:.6g} on a label "
-            f"row; {v.total} label rows, {v.counts[0]} to {v.counts[1]} per sample) fit neither a per-sample mean "
-            "nor a per-sample sum, nor a constant times either, so the engine could not verify that no sample's "
-            "weight depends on the other samples. Nothing was released. A class-weighted mean over the batch "
-            "divides by the batch's sum of weights, which couples samples through their labels: use "
-            "reduction=\"none\", then a sum divided by a constant. If each sample's weights depend on that "
-            "sample alone (a class-weighted sum, a focal loss, importance weights from the sample's own data), the "
-            "loss is per-sample and strict mode refuses it only because it cannot tell: pass verify_loss=True, which "
-            "logs such losses instead of refusing them.")
 
 
 def _message(engine: Any, summ: RowSummary, v: Verdict, step_rows: int, passes: int, tol: float) -> str:

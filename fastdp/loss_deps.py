@@ -41,9 +41,22 @@ class Book:
     __slots__ = ("__weakref__", "closed", "state", "unknown")
 
     def __init__(self) -> None:
-        self.unknown: set[str] = set()
+        self.unknown: dict[str, str] = {}  # what the trace did not follow -> where it first happened (file:line)
         self.closed = False  # a backward pass ran through it: the next forward call starts another book
         self.state: Any = None  # a weak reference to the engine's fastdp.loss_trace.LossTrace
+
+    def miss(self, what: str) -> None:
+        """Record an operation the trace does not follow (the pass is then unverified), with the caller's line."""
+        if what not in self.unknown:
+            self.unknown[what] = where()
+
+    def seen(self) -> Book:
+        """A copy of what the trace did not follow so far: a backward pass is judged by the operations before it
+        (those after it, such as ``running_loss += loss.detach()``, cannot change its gradients)."""
+        snap = Book()
+        snap.unknown = dict(self.unknown)
+        snap.closed = True
+        return snap
 
 
 @dataclass(frozen=True)

@@ -97,12 +97,12 @@ class Traced(torch.Tensor):
     _fdp_dep: Dep
 
     def __reduce_ex__(self, proto: Any) -> Any:  # torch.save, pickle, copy.copy: the plain tensor it aliases
-        self._fdp_dep.book.unknown.add("a copy made outside torch (copy.copy, pickle, torch.save)")
+        self._fdp_dep.book.miss("a copy made outside torch (copy.copy, pickle, torch.save)")
         with torch_api.torch_function_subclasses_off():
             return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # copy.deepcopy: a plain tensor (the copy is not traced)
-        self._fdp_dep.book.unknown.add("copy.deepcopy")
+        self._fdp_dep.book.miss("copy.deepcopy")
         with torch_api.torch_function_subclasses_off():
             return self.as_subclass(torch.Tensor).__deepcopy__(memo)
 
@@ -122,7 +122,7 @@ class Traced(torch.Tensor):
             _on_branch(args[0])
         elif name == "_base" and res is not None:  # the tensor a traced view was taken from: not followed
             for book in _books(args, kwargs):
-                book.unknown.add("_base of a traced view")
+                book.miss("_base of a traced view")
             return res
         if name in _PASS or name == "backward" or not _has_tensor(res) or torch.compiler.is_compiling():
             return _plain(res, args)
@@ -153,7 +153,7 @@ def _check_gradient_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None
             for x in (a if isinstance(a, (list, tuple)) else (a,)):
                 d = dep_of(x)
                 if d is not None and isinstance(x.grad_fn, torch.autograd.function.BackwardCFunction):
-                    d.book.unknown.add("a gradient path the trace does not follow (a custom autograd Function)")
+                    d.book.miss("a gradient path the trace does not follow (a custom autograd Function)")
 
 
 def _guard_hook(t: Traced, hook: Any) -> Any:
@@ -165,7 +165,7 @@ def _guard_hook(t: Traced, hook: Any) -> Any:
     if d is None:
         return hook
     if not getattr(t, "_fdp_output", False):
-        d.book.unknown.add("a gradient hook on a traced tensor")
+        d.book.miss("a gradient hook on a traced tensor")
         return hook
 
     def guarded(g: torch.Tensor) -> Any:
@@ -190,7 +190,7 @@ def _on_setitem(args: tuple[Any, ...]) -> None:
     books = _books(rest, {}) + _books(tuple(i for r in rest if isinstance(r, tuple) for i in r), {})
     if books:
         for book in books + _books((target,), {}):
-            book.unknown.add("__setitem__ (a traced value or index written in place)")
+            book.miss("__setitem__ (a traced value or index written in place)")
 
 
 def _on_branch(t: Any) -> None:
@@ -198,7 +198,7 @@ def _on_branch(t: Any) -> None:
     a size read from a value of several samples is not followed."""
     d = dep_of(t)
     if d is not None and d.kind not in (ROWS, ONE):
-        d.book.unknown.add("a Python branch (bool) on a value of several samples")
+        d.book.miss("a Python branch (bool) on a value of several samples")
 
 
 def _has_tensor(res: Any) -> bool:
@@ -271,7 +271,7 @@ def _follow(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) 
 def _unfollowed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any) -> Any:
     """``res`` untraced, and the passes of the traced arguments unverified (the rules could not follow ``name``)."""
     for book in _books(args, kwargs):
-        book.unknown.add(name)
+        book.miss(name)
     return _plain(res, args)
 
 
@@ -282,13 +282,13 @@ def _result(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
             return _unfollowed(name, args, kwargs, res)
         if not isinstance(res, Traced) and any(res is a for a in args):  # traced values written in place into an
             for book in _books(args, kwargs):  # untraced tensor (buf += x, w.masked_fill_(mask_of_x, 0))
-                book.unknown.add(f"{name} (into an untraced tensor)")
+                book.miss(f"{name} (into an untraced tensor)")
             return res
         if isinstance(res, Traced) and any(res is a for a in args):
             if not _in_place(name):
                 return res  # an argument returned as is (x.contiguous(), x.to(its dtype)): nothing changed
             if _stale_views(res, deps):
-                deps.book.unknown.add(f"{name} (in place)")
+                deps.book.miss(f"{name} (in place)")
         return _wrap(res, deps)
     if not isinstance(deps, tuple):
         deps = tuple(deps for _ in res)
@@ -406,7 +406,7 @@ def plain_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
             d = dep_of(x)
             if d is not None and not (d.kind == ROWS and d.dims == (0,) and same_map(d.maps[0], (d.book, 1, 0),
                                                                                      x.shape[0])):
-                d.book.unknown.add("a traced value of several samples fed back into the model")
+                d.book.miss("a traced value of several samples fed back into the model")
             with torch_api.torch_function_subclasses_off():
                 return x.as_subclass(torch.Tensor)
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
@@ -440,4 +440,4 @@ def _on_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 d = combine([(d, tuple(t.shape)), (gd, tuple(g.shape))], tuple(t.shape), False, "backward(gradient=)")
             d = reduce(d, t.dim(), None, False, True, "backward(gradient=)")
         d.book.closed = True
-        state.pending.append((d, d.book, frozenset(state.sigs.pop(id(d.book), ()))))
+        state.pending.append((d, d.book.seen(), frozenset(state.sigs.pop(id(d.book), ()))))

@@ -27,6 +27,7 @@ from fastdp.loss_deps import (
     combine,
     data,
     reduce,
+    same_map,
     take_map,
     unary,
 )
@@ -46,6 +47,13 @@ _LINEAR_CONV = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpos
                 "adaptive_avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "interpolate"}
 SCATTER = {"scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill", "index_reduce"}
 VALIDATION = {"_is_all_true", "_is_any_true"}
+#: functions of each matrix of a batch (..., n, m) (and, for solves, of a right-hand side (..., n[, k]))
+MATRIX = {"det", "linalg_det", "logdet", "slogdet", "linalg_slogdet", "inverse", "linalg_inv", "linalg_inv_ex",
+          "cholesky", "linalg_cholesky", "linalg_cholesky_ex", "linalg_solve", "linalg_solve_ex",
+          "linalg_solve_triangular", "cholesky_solve", "triangular_solve", "linalg_matrix_exp", "matrix_exp",
+          "linalg_eigh", "linalg_eigvalsh", "linalg_svd", "linalg_svdvals", "svd", "linalg_matrix_norm",
+          "linalg_qr", "qr", "linalg_matrix_power", "matrix_power", "linalg_lstsq", "pinverse", "linalg_pinv",
+          "linalg_matrix_rank", "trace"}
 
 
 def _mixed(d: Dep, dims: tuple[int, ...]) -> bool:
@@ -73,6 +81,22 @@ def rule_linear_along(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if d is None or not isinstance(dim, int):
         return None
     return along_linear(d, x.dim(), (dim,), name)
+
+
+def rule_trapezoid(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """``torch.trapezoid(y, x=None, dx=, dim=-1)`` (and ``trapz``): a fixed linear reduction along ``dim`` (``x``
+    untraced); ``cumulative_trapezoid``: a fixed linear function along it."""
+    y = args[0]
+    d = dep(y)
+    if d is None or any(dep(t) is not None for t in list(args[1:]) + list(kwargs.values())
+                        if isinstance(t, torch.Tensor)):
+        return None
+    dim = kwargs.get("dim", args[2] if len(args) > 2 and isinstance(args[2], int) else -1)
+    if not isinstance(dim, int):
+        return None
+    if name.startswith("cumulative"):
+        return along_linear(d, y.dim(), (dim,), name)
+    return reduce(d, y.dim(), (dim,), False, True, name)
 
 
 def rule_conv(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
@@ -229,3 +253,54 @@ def rule_validation(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], re
     """``torch._is_all_true(x)``: torch's argument validation (``torch.distributions`` checks a value's support
     with it and raises where it is false): the loss goes on only where it is true, so nothing flows from it."""
     return CONST
+
+
+def rule_matrix(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """Functions of each matrix of a batch (``det``, ``cholesky``, ``solve``, ``svdvals``, ``matrix_norm``, ...):
+    followed where every operand is a batch of matrices ``(B, ..., n, m)`` and the traced ones hold their samples
+    along dimension 0 only, with the same rows; each result (every item of a tuple) is then those rows' (a
+    nonlinear function of each)."""
+    ts = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    traced = [(t, dep(t)) for t in ts if dep(t) is not None]
+    if not traced:
+        return None
+    items = list(res) if isinstance(res, (tuple, list)) else [res]
+    if name == "trace":  # a 2-D matrix: the rows are its own
+        t, d = traced[0]
+        return reduce(d, 2, None, False, True, name) if len(traced) == 1 and t.dim() == 2 else None
+    if all(d.kind in (ONE, SEP, COUPLED) for _, d in traced) and len({(d.kind, d.maps) for _, d in traced}) == 1:
+        r = unary(traced[0][1], False, name)
+        return tuple(r if isinstance(i, torch.Tensor) else CONST for i in items) if isinstance(res, (tuple, list)) \
+            else r
+    if "dim" in kwargs or (name == "linalg_matrix_norm" and len(args) > 2):
+        return None  # matrices along other dimensions than the last two
+    # every operand a batch of matrices (a solve's right-hand side of one dimension less would make dimension 0 a
+    # matrix dimension when the batch is absent: not followed)
+    if any(t.dim() < 3 for t in ts) or any(d.kind != ROWS or d.dims != (0,) for _, d in traced):
+        return None
+    n = traced[0][0].shape[0]
+    m = traced[0][1].maps[0]
+    if any(t.shape[0] not in (1, n) for t in ts) or any(t.shape[0] != n or not same_map(d.maps[0], m, n)
+                                                         for t, d in traced):
+        return None
+    grad = any(d.grad for _, d in traced)
+    r = Dep(ROWS, grad, traced[0][1].book, (0,), (m,))
+    out = []
+    for i in items:
+        if not isinstance(i, torch.Tensor):
+            out.append(CONST)
+        elif i.dim() >= 1 and i.shape[0] == n:
+            out.append(r if i.is_floating_point() or i.is_complex() else data(r))
+        else:
+            return None
+    return tuple(out) if isinstance(res, (tuple, list)) else out[0]
+
+
+def rule_diag_embed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Any:
+    """``x.diag_embed()`` (``(..., n) -> (..., n, n)``, the default ``dim1``/``dim2``): followed where the samples
+    are not along the last dimension."""
+    x = args[0]
+    d = dep(x)
+    if d is None or arg(args, kwargs, 2, "dim1", -2) != -2 or arg(args, kwargs, 3, "dim2", -1) != -1:
+        return None
+    return None if _mixed(d, (x.dim() - 1,)) else d

@@ -35,16 +35,20 @@ from fastdp.loss_deps import (
 )
 from fastdp.loss_trace_mixing import (
     CONV,
+    MATRIX,
     SCATTER,
     VALIDATION,
     rule_broadcast_tensors,
     rule_conv,
     rule_ctc,
+    rule_diag_embed,
     rule_linear_along,
+    rule_matrix,
     rule_multinomial,
     rule_repeat_interleave,
     rule_scatter,
     rule_sum_to_size,
+    rule_trapezoid,
     rule_unfold,
     rule_validation,
 )
@@ -85,7 +89,7 @@ _NONLINEAR = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sigmoid"
               "threshold", "__abs__", "sigmoid_", "pow", "__pow__", "float_power", "frac", "entr"}
 _DATA_UNARY = {"sign", "sgn", "floor", "ceil", "round", "trunc", "isnan", "isinf", "isfinite", "isposinf",
                "isneginf", "signbit", "logical_not", "__invert__", "bool", "long", "int", "short", "byte", "char",
-               "detach", "data"}
+               "detach", "data", "bernoulli"}
 _CONSTANT = {"zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "randint_like", "new_zeros",
              "new_ones", "new_empty", "size", "dim", "numel"}
 _INPLACE_DUNDER = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__", "__itruediv__": "__truediv__"}
@@ -98,7 +102,7 @@ _NONLINEAR_BINARY = {"__rtruediv__", "__rpow__", "maximum", "minimum", "fmax", "
                      "addcdiv"}
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
             "logical_and", "logical_or", "logical_xor", "__and__", "__or__", "__xor__", "isclose", "greater",
-            "less", "greater_equal", "less_equal", "not_equal", "equal_"}
+            "less", "greater_equal", "less_equal", "not_equal", "equal_", "heaviside"}
 _LINEAR_REDUCE = {"sum", "mean", "nansum", "nanmean"}
 _NONLINEAR_REDUCE = {"logsumexp", "amax", "amin", "std", "var", "prod", "norm", "vector_norm", "nanmedian",
                      "median", "max", "min"}
@@ -191,6 +195,8 @@ def _reduce(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, 
     r = reduce(d, x.dim(), dims, keepdim, base in _LINEAR_REDUCE, name)
     if base in {"std_mean", "var_mean"}:
         return (r, reduce(d, x.dim(), dims, keepdim, True, name))
+    if base == "aminmax":  # (min, max)
+        return (r, r)
     if isinstance(res, tuple):  # (values, indices)
         return (r, data(r))
     return r
@@ -320,12 +326,13 @@ def _pair_fn(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any,
     traced = [(dep(t), tuple(t.shape)) for t in ts if dep(t) is not None]
     if not traced:
         return None
-    if name == "cdist":
+    if name == "cdist":  # (..., P, M) and (..., R, M) -> (..., P, R)
         a, b = args[0], args[1]
-        if a.dim() != 2 or b.dim() != 2:
+        if a.dim() != b.dim() or not 2 <= a.dim() <= 6:
             return None
-        return contract([(unary(dep(a), False, name) if dep(a) else None, "ik"),
-                         (unary(dep(b), False, name) if dep(b) else None, "jk")], "ij", name,
+        lead = "abcd"[:a.dim() - 2]
+        return contract([(unary(dep(a), False, name) if dep(a) else None, lead + "ik"),
+                         (unary(dep(b), False, name) if dep(b) else None, lead + "jk")], lead + "ij", name,
                         [tuple(a.shape), tuple(b.shape)])
     if name in {"cosine_embedding_loss", "triplet_margin_loss"}:  # per pair first: (B, D) -> (B,), then a target
         pairs = [(t, dep(t)) for t in ts if t.dim() >= 2]
@@ -354,7 +361,8 @@ RULES: dict[str, Rule] = {}
 for _names, _rule in (
         (_LINEAR | _NONLINEAR | _DATA_UNARY | _ADDITIVE | _MULTIPLICATIVE | _DIVISION | _NONLINEAR_BINARY | _COMPARE,
          _elementwise),
-        (_LINEAR_REDUCE | _NONLINEAR_REDUCE | _DATA_REDUCE | {"std_mean", "var_mean", "kthvalue", "mode"}, _reduce),
+        (_LINEAR_REDUCE | _NONLINEAR_REDUCE | _DATA_REDUCE | {"std_mean", "var_mean", "kthvalue", "mode", "aminmax"},
+         _reduce),
         (_ALONG | {"sort", "topk"}, _along),
         ({"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel",
           "squeeze_", "unsqueeze_"}, rule_reshape),
@@ -392,6 +400,9 @@ for _names, _rule in (
         ({"multinomial"}, rule_multinomial),
         ({"broadcast_tensors"}, rule_broadcast_tensors),
         (VALIDATION, rule_validation),
+        (MATRIX, rule_matrix),
+        ({"diag_embed"}, rule_diag_embed),
+        ({"trapezoid", "trapz", "cumulative_trapezoid"}, rule_trapezoid),
 ):
     for _n in _names:
         RULES[_n] = _rule

@@ -52,7 +52,7 @@ class LossTrace:
         book, self.book = self.book, None
         if book is not None and not book.closed and id(book) in self.sigs:
             book.closed = True
-            book.unknown.add(_LOST)
+            book.miss(_LOST)
             self.pending.append((None, book, frozenset(self.sigs.pop(id(book)))))
 
 
@@ -99,7 +99,7 @@ def settle(engine: Any, state: LossTrace) -> StructureError | None:
 def _unknown(book: Book) -> str:
     """What the trace did not follow; that the backward pass then started from an untraced tensor is a
     consequence, named only when it is the whole story (the loss was built from values the trace never saw)."""
-    named = sorted(book.unknown - {_LOST})
+    named = [f"{k} (at {v})" for k, v in sorted(book.unknown.items()) if k != _LOST]
     return ", ".join(named) if named else _LOST
 
 

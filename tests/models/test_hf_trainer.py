@@ -333,6 +333,21 @@ def test_sigma_calibrated_over_the_trainer_steps_and_logged(tmp_path):
     assert logged[0]["epsilon"] < logged[-1]["epsilon"]
 
 
+@pytest.mark.parametrize("verify", [True, "strict"])
+def test_the_trainers_loss_is_verified_and_strict_trains(tmp_path, verify):
+    """The Trainer accumulates the loss in place and checks it for NaN after each backward pass; the loss trace
+    judges a pass by what happens before its backward, so the Trainer's passes are verified separable (they were
+    unverified, and strict refused every step, before 2026-11-27: a red-team pass)."""
+    model, data = gpt2_lm(), lm_data()
+    args = targs(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3)
+    tr, _ = make_trainer(model, args, data, {"noise_multiplier": 1.0, "verify_loss": verify}, seed=0,
+                         per_sample_loss="causal_lm")
+    tr.train()
+    assert tr.engine.steps == 3
+    traces = tr.engine.probe_stats["loss_traces"]
+    assert set(traces) == {"separable"} and traces["separable"] >= (2 if verify is True else 3)
+
+
 def test_evaluation_is_the_trainers(tmp_path):
     model, data = bert_cls(), cls_data()
     tr, _ = make_trainer(model, targs(tmp_path), data, {"noise_multiplier": 1.0}, seed=0)
