@@ -9,18 +9,19 @@ baseline, hard-example mining over the batch) -- makes every sample's gradient d
 clipping no longer bounds what one sample changes, and the privacy guarantee fails. The engine never sees the
 loss, so on the first passes of each input signature it *traces* it.
 
-**How.** After a forward call of the model (the root's, with autograd on and ``B >= 2``), each floating output
-``(B, ...)`` that requires grad is returned as a :class:`Traced` tensor: the same values and autograd graph (an
-alias, ``Tensor.as_subclass``), plus a :class:`fastdp.loss_deps.Dep` -- row ``k`` depends on sample ``k``. Every
-torch function that receives a traced tensor (``__torch_function__``: operators, methods, ``torch.*``,
+**How.** After a forward call of the model (the root's, with autograd on and ``B >= 2``), each floating output ``(B,
+...)`` that requires grad is returned as a :class:`Traced` tensor: the same values and autograd graph (an alias,
+``Tensor.as_subclass``), plus a :class:`fastdp.loss_deps.Dep` -- row ``k`` depends on sample ``k``. Every torch
+function that receives a traced tensor (``__torch_function__``: operators, methods, ``torch.*``,
 ``torch.nn.functional.*``) runs unchanged, and its result gets the ``Dep`` that the function's rule
 (:mod:`fastdp.loss_trace_rules`) derives; a function without a rule returns an untraced result and makes the pass
 *unverified*. When ``backward`` is called on a traced tensor (``loss.backward()``, ``torch.autograd.backward``,
 ``scaler.scale(loss).backward()``), its ``Dep`` is the pass's verdict: ``separable`` (a sum of per-sample terms),
-``coupled`` (refused) or ``unverified``. Forward calls between two backward passes share sample indices (the engine
-merges their records by index), so their outputs share one :class:`fastdp.loss_deps.Book`; a tensor kept from an
-earlier pass (a memory bank, a queue of earlier outputs) belongs to another book, and combining it with this pass's
-rows couples samples too.
+``coupled`` (refused) or ``unverified``, judged by the operations before that ``backward`` (what the loop does
+afterwards, ``running += loss.detach()`` or a NaN check, cannot change the pass's gradients). Forward calls between
+two backward passes share sample indices (the engine merges their records by index), so their outputs share one
+:class:`fastdp.loss_deps.Book`; a tensor kept from an earlier pass (a memory bank, a queue of earlier outputs) belongs
+to another book, and combining it with this pass's rows couples samples too.
 
 **Gradient hooks.** ``register_hook`` on a model output (traced) is wrapped: a hook that changes the gradient
 raises in the backward pass (the engine reads each layer's output gradient before such a hook runs, so the per-sample
@@ -31,22 +32,25 @@ gradients would miss the change); a hook on another traced tensor leaves the pas
 the line of the user's code that called it. A refusal starts the signature's count again.
 
 **Budget** (the state, the verdicts and the refusal are in :mod:`fastdp.loss_trace_verdicts`). ``TRACE_PASSES``
-judged passes per input signature (:func:`fastdp.probe.signature`), and at most ``MAX_ARMS`` forward calls traced
-per signature (forward calls without a backward pass). The cost is Python's: one ``__torch_function__`` call per
+judged passes per input signature (:func:`fastdp.probe.signature`; every pass under ``verify_loss="strict"``, which
+also refuses unverified passes), and at most ``MAX_ARMS`` forward calls traced per signature (forward calls without
+a backward pass). The cost is Python's: one ``__torch_function__`` call per
 torch function on a traced tensor, in the traced passes only.
 
 **What it does not see.** Anything the rules do not know (the pass is then ``unverified``: logged, not refused):
 functions without a rule, traced values or indices written in place into untraced tensors, in-place writes through
-views, Python branches (``bool``) on values of several samples, ``out=``, custom autograd functions, code run under
-``torch.compile`` (a compiled loss is not traced). Values that leave torch (``.item()``, ``.tolist()``, ``float``,
-numpy) are constants to it. A loss computed inside the model's forward (Hugging Face models called with ``labels=``)
-is not traced: it never leaves the model as an output. Data that is not a model output is a constant to the trace: a
-divisor counted from the labels (a token mean) is the loss check's (:mod:`fastdp.loss_check`); a per-sample weight
-from the batch's labels is neither's. A traced tensor fed back into the model is given to it as a plain alias (the
-model, the engine's hooks and the structure probe never see traced tensors): the call's outputs are the batch's rows
-again, so an input that was not (a value of several samples) leaves the pass unverified. The rules follow structure,
-not algebra, and err towards refusing (docs/reference/losses.md lists the known false refusals). Selecting rows
-reads the index's content on the host (the same selection gives the same rows).
+views, Python branches (``bool``) and sizes read from traced values (one sample's too), copies made outside torch
+(``copy.deepcopy``, pickle), ``out=``, custom autograd functions, code run under ``torch.compile`` (a compiled loss is
+not traced). Values that leave torch (``.item()``, ``.tolist()``, ``float``, numpy) are constants to it (under
+``"strict"``, a read before the backward pass leaves the pass unverified). A loss computed inside the model's forward
+(Hugging Face models called with ``labels=``) is not traced: it never leaves the model as an output. Data that is not
+a model output is a constant to the trace: a divisor counted from the labels (a token mean) is the loss check's
+(:mod:`fastdp.loss_check`); a per-sample weight from the batch's labels is neither's. A traced tensor fed back into
+the model is given to it as a plain alias (the model, the engine's hooks and the structure probe never see traced
+tensors): the call's outputs are the batch's rows again, so an input that was not (a value of several samples) leaves
+the pass unverified. The rules follow structure, not algebra, and err towards refusing (docs/reference/losses.md lists
+the known false refusals). Selecting rows reads the index's content on the host (the same selection gives the same
+rows).
 
 It may touch: the model's outputs (returned as aliases of the same tensors) and its own state.
 """
@@ -82,6 +86,8 @@ __all__ = ["MAX_ARMS", "TRACE_PASSES", "LossTrace", "Traced", "arm", "dep_of", "
 logger = logging.getLogger(__name__)
 
 _DEPTH = 4  # nesting of tuples, lists and dicts searched for outputs
+#: reads of a traced value to the host (under verify_loss="strict", before the backward pass: unverified)
+_HOST_READS = frozenset({"item", "tolist", "numpy", "__float__", "__int__", "__complex__", "__array__"})
 #: functions whose result is never traced (queries, hooks, the gradient)
 _PASS = frozenset({"__repr__", "__format__", "__str__", "numpy", "tolist", "item", "__bool__", "__len__", "__hash__",
                    "register_hook", "retain_grad", "grad", "grad_fn", "is_leaf", "requires_grad", "shape", "dtype",
@@ -120,6 +126,8 @@ class Traced(torch.Tensor):
             _on_setitem(args)
         elif name in ("__bool__", "__index__"):  # a branch, or a slice bound / length read from the value
             _on_branch(args[0])
+        elif name in _HOST_READS:
+            _on_host_read(args[0], name)
         elif name == "_base" and res is not None:  # the tensor a traced view was taken from: not followed
             for book in _books(args, kwargs):
                 book.miss("_base of a traced view")
@@ -195,10 +203,23 @@ def _on_setitem(args: tuple[Any, ...]) -> None:
 
 def _on_branch(t: Any) -> None:
     """``bool(t)`` (``if``, Python's ``max``, ``sorted``) or ``t.__index__()`` (a slice bound, a length): a branch or
-    a size read from a value of several samples is not followed."""
+    a size read from a traced value is not followed, even one sample's (``if out[0].sum() > 0: loss = 2 * loss``
+    scales every sample's term by sample 0's value; a per-sample loop that branches on each sample's own value is
+    separable, but the trace cannot tell which terms a branch decides)."""
     d = dep_of(t)
-    if d is not None and d.kind not in (ROWS, ONE):
-        d.book.miss("a Python branch (bool) on a value of several samples")
+    if d is not None:
+        what = "several samples" if d.kind not in (ROWS, ONE) else "one sample"
+        d.book.miss(f"a Python branch (bool) or a size read from a value of {what}")
+
+
+def _on_host_read(t: Any, name: str) -> None:
+    """``t.item()``, ``float(t)``, ``t.tolist()``, ``t.numpy()`` before the backward pass: the values leave torch,
+    and weights computed from them are not seen (``loss / loss.sum().item()``). Under ``verify_loss="strict"`` the
+    pass is then unverified; by default it is not (``loss.item()`` for logging is common and harmless)."""
+    d = dep_of(t)
+    state = d.book.state() if d is not None and d.book.state is not None else None
+    if state is not None and state.every and not d.book.closed:
+        d.book.miss(f"a value read to the host ({name}) before the backward pass")
 
 
 def _has_tensor(res: Any) -> bool:

@@ -410,6 +410,11 @@ UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, 
                                                                                ].pow(2).sum(),
     "every row indexed at every sample's argmax": lambda o: o[:, 0][torch.arange(B)[:, None], o[:, 0].detach(
     ).argmax(-1)[None, :]].pow(2).sum(),
+    # one sample's value deciding a branch that scales every sample's term (separable before 2026-11-27: a branch
+    # on one sample's value was taken as that sample's own)
+    "a branch on one sample's value scaling every term": lambda o: (2 * o.pow(2).sum()) if o[0].sum() > 0 else (
+        o.pow(2).sum()),
+    "a branch on one row's value": lambda o: (o.pow(2).sum() * 2) if o[0:1, 0, 0] > 0 else o.pow(2).sum(),
     "a matrix norm over the batch dimension": lambda o: torch.linalg.matrix_norm(o, dim=(0, 1)).pow(3).sum(),
     "the determinant of a matrix whose rows are samples": lambda o: torch.det(o[:4, 0, :4]).pow(2),
     "batch weights copied by copy.deepcopy": lambda o: (lambda l: (l * __import__("copy").deepcopy(
@@ -713,6 +718,32 @@ def test_strict_traces_every_pass_so_a_loss_that_changes_later_is_refused():
         else:
             opt.step()
             assert eng.steps == n + 1 and eng.probe_stats["loss_traces"] == {"separable": loss_trace.TRACE_PASSES}
+
+
+def test_strict_refuses_values_read_to_the_host_before_the_backward_pass():
+    """``loss / loss.sum().item()``: the weight leaves torch, and the trace cannot see what is computed from it.
+    By default such a pass is separable to the trace (a documented blind spot: ``loss.item()`` for logging is
+    common); strict refuses a host read before the backward pass and accepts one after it."""
+    def weighted(out):
+        per = F.cross_entropy(out, LAB, reduction="none")
+        return (per / per.sum().item()).sum()  # weights from the whole batch, through a Python float
+
+    model = Encoder()
+    eng, opt = _engine(model)
+    weighted(model(X1)).backward()
+    opt.step()
+    assert eng.probe_stats["loss_traces"] == {"separable": 1}  # not seen
+    model = Encoder()
+    eng, opt = _engine(model, verify_loss="strict")
+    weighted(model(X1)).backward()
+    with pytest.raises(StructureError, match=r"a value read to the host \(item\) before the backward pass"):
+        opt.step()
+    opt.zero_grad()
+    loss = F.cross_entropy(model(X1), LAB)
+    loss.backward()
+    logged = [loss.item(), float(loss)]  # after the backward pass: fine
+    opt.step()
+    assert eng.steps == 1 and len(logged) == 2
 
 
 def test_strict_trains_per_sample_weights_the_trace_verifies():
