@@ -344,8 +344,11 @@ class Capture:
             f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "
             "(e.g. a weight read directly by another module, as in weight tying through F.linear). fastdp cannot "
             "clip that use per sample. Tie weights through modules (assign the same nn.Parameter to both), or "
-            "freeze the parameter. (A model run through torch.compile before the engine was attached does this "
-            "too: its compiled code skips the engine's hooks. " + COMPILE_REFUSAL + ")")
+            "freeze the parameter. A parameter that belongs to the model itself (a position embedding or class "
+            "token held by the root module, as timm's ViT holds pos_embed) is used outside its owner's forward "
+            "when the model is run through another method (model.forward_features(x) then model.forward_head(h)): "
+            "call the model itself, model(x). (A model run through torch.compile before the engine was attached "
+            "does this too: its compiled code skips the engine's hooks. " + COMPILE_REFUSAL + ")")
 
     # ------------------------------------------------------------------ layer kinds
     def _layer_pre(self, module: nn.Module, args: tuple[Any, ...], *, params: list[nn.Parameter]) -> None:

@@ -599,3 +599,29 @@ def test_failure_inside_the_probe_leaves_the_engine_clean(stage, monkeypatch):
     Boom.armed = None
     retry_matches_oracle(model, engine, opt, *data(3, 2))
     assert engine.probe_stats["signatures"] >= 1
+
+
+class _RootParameter(nn.Module):
+    """A parameter held by the root module (timm's ViT holds pos_embed so), used in a method other than forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(1, 4))
+        self.lin = nn.Linear(4, 3)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + self.pos)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+
+def test_a_root_parameter_used_through_another_method_is_refused_naming_the_fix():
+    """``model.features(x)`` skips the root's forward, whose replay clips ``pos`` per sample: refused, and the
+    message says to call the model itself (it blamed weight tying and torch.compile only; a red-team pass)."""
+    torch.manual_seed(0)
+    model = _RootParameter()
+    engine = make_engine(model, batch_size=4, R=0.3)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"'pos' received a gradient from outside.*call the model itself"):
+        model.features(torch.randn(4, 4)).pow(2).sum().backward()
