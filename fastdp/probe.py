@@ -294,6 +294,11 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
         raise RuntimeError(f"{changed}. Call engine.update_trainable() after freezing or unfreezing parameters, "
                            "before the next forward pass.")
     t0 = time.perf_counter()
+    # inputs computed with autograd outside the model (model(inputs_embeds=emb(ids)), a layer called before it):
+    # the probe's passes start from them as leaves, so that its backward passes stay inside the model and do not
+    # reach (and consume) the outside layers' records, which the real backward pass reaches once
+    args, kwargs = tree_map(lambda x: x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad
+                            and x.grad_fn is not None else x, (tuple(args), dict(kwargs)))
     flat = tree_flatten((args, kwargs))[0]
     devices = sorted({x.device for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cuda"},
                      key=str)

@@ -436,3 +436,49 @@ def test_rounding_noise_only_is_inconclusive_not_refused():
         got = engine_release(copy.deepcopy(model), x, y, verify=True, mode=mode)
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-12)
+
+
+class _EmbedThenBody(nn.Module):
+    """A model called with embeddings its own embedding layer computed outside its forward
+    (``model(inputs_embeds=model.emb(ids))``, as prompt tuning and FreeLB-style code do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(embeds).mean(1))
+
+
+class _WholeCall(nn.Module):
+    """The oracle's view of the same computation: ids in, the embedding called first."""
+
+    def __init__(self, m: _EmbedThenBody) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.m(self.m.emb(ids))
+
+
+@pytest.mark.parametrize("mode", CLIPPING_MODES)
+def test_inputs_computed_by_a_layer_called_before_the_model_match_the_oracle(mode):
+    """The probe's passes start from such inputs as leaves: its backward passes used to reach the outside layer's
+    record and consume it, and the real backward pass then raised 'a second backward pass reached the same forward
+    call' (a red-team pass, with Hugging Face BERT and inputs_embeds). The release matches the brute-force oracle."""
+    torch.manual_seed(0)
+    net = _EmbedThenBody().double()
+    ids = torch.randint(0, 11, (5, 4))
+    y = torch.randint(0, 3, (5,))
+    per_sample = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
+    want = oracle_release(_WholeCall(net), per_sample, [(ids, y)], R=0.05, batch_size=5)
+    engine = make_engine(net, batch_size=5, R=0.05, mode=mode)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    engine.attach(opt)
+    per_sample(net(net.emb(ids)), y).mean().backward()
+    opt.step()
+    got = {f"m.{n}": g for n, g in released_grads(net, trainable_names(net)).items()}
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-10)
