@@ -449,13 +449,33 @@ def rule_pad(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any,
 
 
 def rule_masking(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
-    """tril, triu, flip/roll off the sample dimensions: a fixed pattern of elements."""
-    d = dep(args[0])
+    """tril, triu, flip/roll off the sample dimensions: a fixed pattern of elements. Along the sample dimension
+    (rows of one sample each) flip and roll reorder the rows: the row map follows (``x.flip(0)`` is ``x[B-1::-1]``,
+    ``x.roll(s, 0)[r]`` is ``x[(r - s) % B]``)."""
+    x = args[0]
+    d = dep(x)
     if d is None:
         return None
-    if name in {"flip", "roll"}:
-        dims = arg(args, kwargs, 1 if name == "flip" else 2, "dims")
-        dims = dims_arg(dims) if dims is not None else None
-        if dims is None or any(k % args[0].dim() in d.dims for k in dims):
+    if name not in {"flip", "roll"}:
+        return d
+    dims = arg(args, kwargs, 1 if name == "flip" else 2, "dims")
+    dims = dims_arg(dims) if dims is not None else None
+    if dims is None:
+        return None  # roll of the flattened tensor
+    dims = tuple(k % x.dim() for k in dims)
+    if not any(k in d.dims for k in dims):
+        return d
+    if d.kind != ROWS:
+        return None
+    b, rows = d.dims[0], x.shape[d.dims[0]]
+    if name == "flip":
+        order = list(range(rows - 1, -1, -1)) if dims.count(b) % 2 else list(range(rows))
+    else:
+        shifts = arg(args, kwargs, 1, "shifts")
+        shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+        if len(shifts) != len(dims) or not all(isinstance(v, int) for v in shifts):
             return None
-    return d
+        shift = sum(v for k, v in zip(dims, shifts, strict=True) if k == b)
+        order = [(r - shift) % rows for r in range(rows)] if rows else []
+    m = take_map(d.maps[0], order, rows)
+    return None if m is None else Dep(ROWS, d.grad, d.book, d.dims, (m,))

@@ -233,6 +233,9 @@ SEPARABLE = {
     "batched cdist within samples": lambda o: torch.cdist(o, o).pow(2).tanh().sum(),
     "heaviside of the sample's own values": lambda o: (o * torch.heaviside(o.detach(), torch.zeros((), dtype=o.dtype))
                                                       ).sum(),
+    "flipped over the batch twice": lambda o: (o.flip(0).flip(0) * o.tanh()).sum(),
+    "rolled over the batch and back, with the features": lambda o: (o.roll((1, 2), (0, 1)).roll(-1, 0)
+                                                                     * o.roll(2, 1).tanh()).sum(),
     "each row's own top two columns": lambda o: o[:, 0][torch.arange(B)[:, None], o[:, 0].detach().argsort(-1)[
         :, :2]].pow(2).sum(),
 }
@@ -299,6 +302,8 @@ COUPLED = {
     "aminmax over the batch": lambda o: torch.aminmax(o, dim=0).max.pow(2).sum(),
     "trapezoid over the batch, squared": lambda o: torch.trapezoid(o, dim=0).pow(2).sum(),
     "cdist between the samples": lambda o: torch.cdist(o[:, 0][None], o[:, 0][None]).logsumexp(-1).sum(),
+    "rows of the batch flipped": lambda o: (o.flip(0) * o).sum(),
+    "rows of the batch rolled by one": lambda o: (o.roll(1, 0) * o).sum(),
     "rows repeated in place, then shifted": lambda o: (o.repeat_interleave(2, 0)[1:B + 1] * o).sum(),
     "bilinear of different samples' rows": lambda o: F.bilinear(o[:, 0], o[PERM, 1], BILINEAR_W).sum(),
 }
@@ -415,6 +420,7 @@ UNFOLLOWED = {  # couple samples in ways the trace does not follow: unverified, 
     "a branch on one sample's value scaling every term": lambda o: (2 * o.pow(2).sum()) if o[0].sum() > 0 else (
         o.pow(2).sum()),
     "a branch on one row's value": lambda o: (o.pow(2).sum() * 2) if o[0:1, 0, 0] > 0 else o.pow(2).sum(),
+    "a roll of the flattened tensor": lambda o: (o.roll(3) * o).sum(),
     "a matrix norm over the batch dimension": lambda o: torch.linalg.matrix_norm(o, dim=(0, 1)).pow(3).sum(),
     "the determinant of a matrix whose rows are samples": lambda o: torch.det(o[:4, 0, :4]).pow(2),
     "batch weights copied by copy.deepcopy": lambda o: (lambda l: (l * __import__("copy").deepcopy(
@@ -523,6 +529,10 @@ def _step(op: str, x: torch.Tensor) -> torch.Tensor:
         return x * x.gather(-1, x.detach().argmax(-1, keepdim=True)).tanh()
     if op == "index_own_argmax":
         return x + 0.5 * x[torch.arange(B)[:, None], torch.arange(T)[None, :], x.detach().argmax(-1)][..., None].tanh()
+    if op == "roll_rows":
+        return x + 0.5 * x.roll(1, 0)
+    if op == "flip_back":
+        return x.flip(0).tanh().flip(0)
     if op == "shift_by_batch_max":
         return x * (x.detach() - x.detach().amax(0)).exp()
     raise AssertionError(op)
@@ -534,7 +544,7 @@ OPS = ["tanh", "square", "exp", "log_softmax_last", "softmax_batch", "center_bat
        "add_detached_own", "anchor_first", "cat_chunk", "perm_rows", "where_own", "where_batch",
        "per_sample_loop", "cumsum_batch", "cumsum_time", "diff_time", "conv_time", "repeat_interleave_rows",
        "scatter_add_last", "einsum_ellipsis", "index_add_batch", "addmm_rows", "gather_own_argmax", "index_own_argmax",
-       "shift_by_batch_max"]
+       "shift_by_batch_max", "roll_rows", "flip_back"]
 MIX = torch.randn(V, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64) / V
 SCATTER_INDEX = torch.randint(0, V, (B, T, V), generator=torch.Generator().manual_seed(7))
 PERM = torch.tensor([3, 0, 4, 1, 2])
