@@ -99,6 +99,10 @@ def coupled(book: Book, grad: bool, why: str, *deps: Dep | None) -> Dep:
 
 #: the most rows an explicit row map lists (a selection or concatenation beyond it is not followed)
 MAX_ROWS = 1 << 20
+#: the "sample" of a row that belongs to none: a constant concatenated with (or padded onto) the batch's rows. A
+#: constant depends on no sample, so counting it as one more sample is sound; a tensor of such rows only is a
+#: constant (:func:`fastdp.loss_trace._wrap` leaves it untraced)
+PHANTOM = -1
 
 
 def one_from_row(m: Any, r: int) -> Any:
@@ -124,7 +128,7 @@ def explicit(book: Any, samples: list[int] | tuple[int, ...]) -> Any:
     when they are equal."""
     samples = tuple(samples)
     n = len(samples)
-    if n == 0:
+    if n == 0 or PHANTOM in samples:  # (rows of no sample: listed, never in the arithmetic form)
         return (book, samples)
     runs = []  # (sample, run length)
     for v in samples:

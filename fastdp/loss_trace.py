@@ -67,6 +67,7 @@ import torch
 from fastdp import torch_api
 from fastdp.loss_deps import (
     ONE,
+    PHANTOM,
     ROWS,
     Book,
     Dep,
@@ -341,6 +342,8 @@ def _wrap(t: torch.Tensor, dep: Dep) -> torch.Tensor:
         raise ValueError(f"a rule gave sample dimensions {dep.dims} to a tensor of {len(shape)} dimensions")
     if dep.kind == ROWS and single_sample(dep.maps[0], shape[dep.dims[0]]):  # x[i:i+1], one sample's tokens
         dep = Dep(ONE, dep.grad, dep.book, (), (one_from_row(dep.maps[0], 0),))
+    if dep.kind == ONE and dep.maps[0][1] == PHANTOM and not isinstance(t, Traced):
+        return t  # rows of no sample (a constant concatenated with the batch's): untraced
     if isinstance(t, Traced):
         out = t
     else:

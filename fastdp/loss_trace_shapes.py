@@ -22,6 +22,7 @@ from fastdp.loss_deps import (
     MAX_ROWS,
     ONE,
     PAIRS,
+    PHANTOM,
     ROWS,
     SEP,
     Dep,
@@ -384,11 +385,17 @@ def rule_concat(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
                        tuple(res.shape), True, name)  # stacked: separate values
     along_rows = [d.kind == ROWS and dim in d.dims for _, d in traced]
     if any(along_rows):
-        if len(traced) != len(ts) or not all(
-                (d.kind == ROWS and d.dims == (dim,)) or (d.kind == ONE and d.maps[0][0] is book) for _, d in traced):
+        ts = [t for t in ts if not (isinstance(t, torch.Tensor) and dep(t) is None and t.dim() == 1 and n != 1
+                                    and t.numel() == 0)]  # torch.cat skips a legacy empty (0,) operand
+        if not all((d.kind == ROWS and d.dims == (dim,)) or (d.kind == ONE and d.maps[0][0] is book)
+                   for _, d in traced) or not all(isinstance(t, torch.Tensor) and t.dim() == n for t in ts):
             return None
-        parts = [(d.maps[0], t.shape[dim]) if d.kind == ROWS else (explicit(book, [d.maps[0][1]] * t.shape[dim]),
-                                                                    t.shape[dim]) for t, d in traced]
+        parts = []
+        for t in ts:  # an untraced operand: constant rows (PHANTOM: of no sample)
+            d = dep(t)
+            rows = t.shape[dim]
+            parts.append((d.maps[0], rows) if d is not None and d.kind == ROWS else
+                         (explicit(book, [d.maps[0][1] if d is not None else PHANTOM] * rows), rows))
         m = concat_maps(parts)
         return None if m is None else Dep(ROWS, grad, book, (dim,), (m,))
     if len(traced) == len(ts) and all(d.kind == ONE and d.maps[0][0] is book for _, d in traced) and dim == 0 and (
@@ -437,15 +444,28 @@ def rule_repeat(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: A
 
 
 def rule_pad(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
+    """``F.pad(x, pad)``: off the sample dimensions, a constant border; along the sample dimension in the constant
+    mode, rows of no sample before and after the batch's (``PHANTOM``)."""
     x = args[0]
     d = dep(x)
     pad = arg(args, kwargs, 1, "pad")
-    if d is None or not isinstance(pad, (list, tuple)):
+    if d is None or not isinstance(pad, (list, tuple)) or not all(isinstance(v, int) for v in pad):
         return None
     first = x.dim() - len(pad) // 2
-    if d.kind in (ROWS, PAIRS) and any(k >= first for k in d.dims):
+    if d.kind not in (ROWS, PAIRS) or not any(k >= first for k in d.dims):
+        return d
+    value = arg(args, kwargs, 3, "value")
+    if d.kind != ROWS or arg(args, kwargs, 2, "mode", "constant") != "constant" or dep(value) is not None:
         return None
-    return d
+    b = d.dims[0]
+    k = x.dim() - 1 - b  # pad lists the last dimension first
+    before, after = pad[2 * k], pad[2 * k + 1]
+    if before < 0 or after < 0:
+        return None
+    rows = x.shape[b]
+    m = concat_maps([(explicit(d.book, [PHANTOM] * before), before), (d.maps[0], rows),
+                     (explicit(d.book, [PHANTOM] * after), after)])
+    return None if m is None else Dep(ROWS, d.grad, d.book, d.dims, (m,))
 
 
 def rule_masking(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:

@@ -94,6 +94,8 @@ CTC_TARGETS = torch.randint(1, V, (B, 2), generator=_g)
 CONV_W = torch.randn(3, V, 2, generator=_g, dtype=torch.float64)
 BILINEAR_W = torch.randn(2, V, V, generator=_g, dtype=torch.float64)
 D = torch.distributions
+CONST_ROWS = torch.randn(3, T, V, generator=_g, dtype=torch.float64)
+MEMORY = torch.randn(7, V, generator=_g, dtype=torch.float64)
 
 
 def _pool(y):
@@ -233,6 +235,15 @@ SEPARABLE = {
     "batched cdist within samples": lambda o: torch.cdist(o, o).pow(2).tanh().sum(),
     "heaviside of the sample's own values": lambda o: (o * torch.heaviside(o.detach(), torch.zeros((), dtype=o.dtype))
                                                       ).sum(),
+    # constant rows concatenated with (or padded onto) the batch's: rows of no sample
+    "constant rows concatenated with the batch": lambda o: torch.cat([CONST_ROWS, o]).tanh().pow(2).sum(),
+    "predictions collected with torch.cat before the backward pass": lambda o: (lambda buf: o.pow(2).sum())(
+        torch.cat([torch.tensor([], dtype=o.dtype), o.detach()])),
+    "padded along the batch, then the batch's rows": lambda o: (F.pad(o, (0, 0, 0, 0, 2, 1))[2:2 + B].tanh()
+                                                                * o).sum(),
+    "a constant row as weights": lambda o: (lambda x: (o * x[0]).sum())(torch.cat([CONST_ROWS, o])),
+    "negatives from a constant memory only": lambda o: F.cross_entropy(_pool(o) @ MEMORY.T,
+                                                                       torch.zeros(B, dtype=torch.long)),
     "flipped over the batch twice": lambda o: (o.flip(0).flip(0) * o.tanh()).sum(),
     "rolled over the batch and back, with the features": lambda o: (o.roll((1, 2), (0, 1)).roll(-1, 0)
                                                                      * o.roll(2, 1).tanh()).sum(),
@@ -302,6 +313,12 @@ COUPLED = {
     "aminmax over the batch": lambda o: torch.aminmax(o, dim=0).max.pow(2).sum(),
     "trapezoid over the batch, squared": lambda o: torch.trapezoid(o, dim=0).pow(2).sum(),
     "cdist between the samples": lambda o: torch.cdist(o[:, 0][None], o[:, 0][None]).logsumexp(-1).sum(),
+    "log-sum-exp over constant rows and the batch": lambda o: torch.cat([CONST_ROWS, o]).logsumexp(0).sum(),
+    "cross-batch memory negatives (the batch and a constant memory)": lambda o: F.cross_entropy(
+        _pool(o) @ torch.cat([_pool(o), MEMORY]).T / 0.1, torch.arange(B)),
+    "padded along the batch, then log-sum-exp over it": lambda o: F.pad(o, (0, 0, 0, 0, 2, 1)).logsumexp(0).sum(),
+    "the batch's rows shifted against a constant row": lambda o: (torch.cat([CONST_ROWS[:1], o])
+                                                                  * torch.cat([o, CONST_ROWS[:1]])).sum(),
     "rows of the batch flipped": lambda o: (o.flip(0) * o).sum(),
     "rows of the batch rolled by one": lambda o: (o.roll(1, 0) * o).sum(),
     "rows repeated in place, then shifted": lambda o: (o.repeat_interleave(2, 0)[1:B + 1] * o).sum(),
@@ -529,6 +546,11 @@ def _step(op: str, x: torch.Tensor) -> torch.Tensor:
         return x * x.gather(-1, x.detach().argmax(-1, keepdim=True)).tanh()
     if op == "index_own_argmax":
         return x + 0.5 * x[torch.arange(B)[:, None], torch.arange(T)[None, :], x.detach().argmax(-1)][..., None].tanh()
+    if op == "cat_const_rows":  # constant rows before the batch's, taken apart again
+        y = torch.cat([CONST_ROWS, x])
+        return y[3:].tanh() + 0.1 * y[:3].sum(0)
+    if op == "pad_rows_back":
+        return F.pad(x, (0, 0, 0, 0, 1, 2))[1:1 + B].tanh()
     if op == "roll_rows":
         return x + 0.5 * x.roll(1, 0)
     if op == "flip_back":
@@ -544,7 +566,7 @@ OPS = ["tanh", "square", "exp", "log_softmax_last", "softmax_batch", "center_bat
        "add_detached_own", "anchor_first", "cat_chunk", "perm_rows", "where_own", "where_batch",
        "per_sample_loop", "cumsum_batch", "cumsum_time", "diff_time", "conv_time", "repeat_interleave_rows",
        "scatter_add_last", "einsum_ellipsis", "index_add_batch", "addmm_rows", "gather_own_argmax", "index_own_argmax",
-       "shift_by_batch_max", "roll_rows", "flip_back"]
+       "shift_by_batch_max", "roll_rows", "flip_back", "cat_const_rows", "pad_rows_back"]
 MIX = torch.randn(V, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64) / V
 SCATTER_INDEX = torch.randint(0, V, (B, T, V), generator=torch.Generator().manual_seed(7))
 PERM = torch.tensor([3, 0, 4, 1, 2])
