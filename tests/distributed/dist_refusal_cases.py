@@ -259,19 +259,22 @@ def run_loss_check_refusal(ctx: Any, R: float) -> dict[str, Any]:
     return res
 
 
-def run_loss_trace_refusal(ctx: Any, R: float) -> dict[str, Any]:
+def run_loss_trace_refusal(ctx: Any, R: float, strict: bool = False) -> dict[str, Any]:
     """A small encoder: rank 1's first loss uses in-batch negatives (a cross-entropy over its batch's similarity
     matrix: it couples samples, fastdp.loss_trace), rank 0's a per-sample cross-entropy; then both use the
-    per-sample loss."""
+    per-sample loss. ``strict``: verify_loss="strict", and rank 1's first loss one the trace cannot verify (an FFT)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
-    engine = make_engine(model, batch_size=8, R=R, sigma=1.0, noise_generator=torch.Generator().manual_seed(3))
+    engine = make_engine(model, batch_size=8, R=R, sigma=1.0, noise_generator=torch.Generator().manual_seed(3),
+                         verify_loss="strict" if strict else True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine.attach(opt)
     g = torch.Generator().manual_seed(10 + ctx.rank)
     x, y = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (4,), generator=g)
     out = model(x)
-    if ctx.rank == 1:
+    if ctx.rank == 1 and strict:
+        torch.fft.fft(out).real.pow(2).mean().backward()
+    elif ctx.rank == 1:
         z = F.normalize(out, dim=-1)
         F.cross_entropy(z @ z.T / 0.1, torch.arange(4)).backward()
     else:

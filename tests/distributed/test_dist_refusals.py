@@ -257,3 +257,18 @@ def test_loss_trace_refusal_on_one_rank_refuses_the_step_everywhere():
     assert vals[1]["traces"].get("coupled") == 1 and vals[0]["traces"].get("separable") == 2, [
         v["traces"] for v in vals]
     assert_bit_identical([v["grads2"] for v in vals], "loss-trace: the step after the refused one")
+
+
+register(2, "loss-trace-strict", lambda: (Case("loss-trace-strict", run_loss_trace_refusal, {"R": 0.5,
+                                                                                             "strict": True}), None))
+
+
+def test_strict_refusal_of_an_unverified_loss_on_one_rank_refuses_the_step_everywhere():
+    vals = shared_world(2).values("loss-trace-strict")
+    refused_everywhere([v["first"] for v in vals], "loss-trace-strict", "rank 1", 'verify_loss="strict"')
+    for r, v in enumerate(vals):
+        assert v["after_first"] == {"released": [], "steps": 0}, f"rank {r}: {v['after_first']}"
+        assert not v["second"]["raised"], f"rank {r}'s next, valid step raised: {v['second']['msg']}"
+    assert vals[1]["traces"] == {"unverified": 1, "separable": 1} and vals[0]["traces"] == {"separable": 2}, [
+        v["traces"] for v in vals]
+    assert_bit_identical([v["grads2"] for v in vals], "loss-trace-strict: the step after the refused one")
