@@ -134,7 +134,11 @@ def well_conditioned(model: nn.Module, per_sample_loss, batches, names, psg=None
     """Whether the per-sample gradients are numerically stable: perturbing every float parameter and input
     by a relative ``rel`` must change them by less than ``tol`` relative to each parameter's largest
     per-sample gradient. Degenerate models (e.g. LayerNorm of a constant vector applied repeatedly) turn
-    float64 rounding into O(1e-7) differences; no implementation can match the oracle there."""
+    float64 rounding into O(1e-7) differences; no implementation can match the oracle there.
+
+    An embedding's output is perturbed too, row by row: it stands for the input when the input is token indices,
+    and perturbing its weight cannot reveal a degeneracy of repeated tokens (a sample whose tokens are all equal
+    has an exactly constant embedded input, and a norm of it is rounding noise)."""
     if psg is None:
         psg = per_sample_grads(model, per_sample_loss, batches, names)
     g = torch.Generator().manual_seed(12345)
@@ -143,6 +147,15 @@ def well_conditioned(model: nn.Module, per_sample_loss, batches, names, psg=None
         for p in m2.parameters():
             if p.is_floating_point():
                 p.mul_(1 + rel * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def pert_out(module, args, out):
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            return out * (1 + rel * torch.randn(out.shape, generator=g, dtype=out.dtype))
+        return out
+
+    for mod in m2.modules():
+        if isinstance(mod, nn.Embedding):
+            mod.register_forward_hook(pert_out)
 
     def pert(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
