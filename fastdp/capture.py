@@ -55,6 +55,8 @@ class RootFrame:
     batch: int | None = None
     loss_sig: Any = None  # the input signature, when the loss check (fastdp.loss_check) reads this call's outputs
     trace_sig: Any = None  # the input signature, when the loss trace (fastdp.loss_trace) follows this call's outputs
+    sig: Any = None  # the input signature (computed when the call records: batch size >= 1, autograd on)
+    last_fold: int = 1  # the fold factor of the latest per-sample hooked call (Capture.note_rows)
 
 
 @dataclass
@@ -88,6 +90,10 @@ class ProbeState:
     out_leaves: Any = None
     #: the last probe run compared only rounding noise (every per-sample gradient ~0): its signature is not verified
     inconclusive: bool = False
+    sig: Any = None  # the input signature the probe is verifying
+    #: input signature -> id(module) -> the fold factors its calls had in the probe's engine pass
+    #: (:func:`fastdp.layers.batchdim.fold_factor`): later calls of the signature must fold the same way
+    folds: dict[Any, dict[int, set[int]]] = field(default_factory=dict)
 
 
 #: why a model run under ``torch.compile`` is refused, and what to do (docs/guide/integrations.md#torchcompile)
@@ -175,7 +181,8 @@ class Capture:
                 pre = partial(self._layer_pre, params=params)
                 hooks.append(module.register_forward_pre_hook(pre, prepend=True))
                 needs_act = capture_all or entry.kind.needs_activation(module, entry.names)
-                hook = partial(self._layer_hook, kind=entry.kind, names=entry.names, needs_act=needs_act)
+                hook = partial(self._layer_hook, kind=entry.kind, names=entry.names, needs_act=needs_act,
+                               label=entry.label)
             if module is root:
                 self.root_hook_fns.append((pre, entry.generic))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
@@ -310,7 +317,7 @@ class Capture:
                 or not torch.is_grad_enabled()):
             return replaced
         # the input signature, computed once for both checks (the structure probe, the loss check)
-        sig = probe.signature(args, kwargs, B, module.training)
+        frame.sig = sig = probe.signature(args, kwargs, B, module.training)
         if self.engine.verify_structure:
             probe.maybe_probe(self.engine, module, args, kwargs, B, sig)
         if self.engine.verify_loss and B >= 2:
@@ -364,7 +371,7 @@ class Capture:
         return out
 
     def _layer_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *,
-                    kind: LayerKind, names: frozenset[str], needs_act: bool) -> Any:
+                    kind: LayerKind, names: frozenset[str], needs_act: bool, label: str) -> Any:
         self.end_call()  # always called, also when forward raised
         if self.idle() or not isinstance(output, torch.Tensor):
             return None
@@ -375,22 +382,82 @@ class Capture:
             if self.probe.running:
                 self.probe.broadcast.append(module)
             # One output for the whole batch (input with batch dimension 1, e.g. HF position ids (1, T)): expand
-            # it, so the gradient arrives per sample instead of summed over the batch.
-            out = out.expand(B, *out.shape[1:])
+            # it, so the gradient arrives per sample instead of summed over the batch; to the rows of the latest
+            # per-sample call when that one saw the batch folded (a multiple-choice model's position table, added
+            # to (B C, T, d) embeddings), which the structure probe verifies like any fold
+            rows = B * self.broadcast_fold()
+            fold = self.fold_of(module, label, kind.foldable, rows, B)
+            out = out.expand(rows, *out.shape[1:])
+        else:
+            fold = 1 if out.dim() == 0 else self.fold_of(module, label, kind.foldable, out.shape[0], B)
+            self.note_rows(out.shape[0] if out.dim() else None, fold, B)
         activation = None
         if needs_act:
             inputs = args if args else tuple(kwargs.values())
             activation = kind.capture(module, inputs)
             if broadcast and activation.dim() >= 1 and activation.shape[0] == 1:
-                activation = activation.expand(B, *activation.shape[1:])
+                activation = activation.expand(B * fold, *activation.shape[1:])
+            activation = batchdim.unfold_rows(activation, fold)
         rec = Record(module=module, kind=kind, names=names, activation=activation, forward=self.current_forward(),
-                     rootless=not self.roots)
+                     rootless=not self.roots, fold=fold)
         if self.pending and _same_tensor(self.pending[-1].activation, activation):  # q, k, v: one input, kept once
             rec.readers = self.pending[-1].readers
             rec.readers[0] += 1
         out = self.hook_output(out, rec, 0)
         self.pending.append(rec)
         return out if out is not output else None
+
+    def note_rows(self, rows: int | None, fold: int, B: int | None) -> None:
+        """A hooked call had ``rows`` output rows: its fold factor is what a broadcast output is expanded to next
+        (:meth:`broadcast_fold`), if the rows are per sample (``B`` or a fold of it)."""
+        if self.roots and B is not None and rows in (B, B * fold):
+            self.roots[-1].last_fold = fold
+
+    def broadcast_fold(self) -> int:
+        """The fold factor of the latest per-sample hooked call of this forward call (1: none, or unfolded)."""
+        return self.roots[-1].last_fold if self.roots else 1
+
+    def fold_of(self, module: nn.Module, label: str, foldable: bool, rows: int, B: int | None) -> int:
+        """The fold factor ``k`` of a hooked call with ``rows`` output rows (``k B``: the batch folded into
+        dimension 0, :func:`fastdp.layers.batchdim.fold_factor`), 1 if none. ``foldable``: the layer kind's
+        :attr:`~fastdp.layers.base.LayerKind.foldable` (a generic owner: True, its replay takes a sample's ``k``
+        rows as its batch). Refused (``RuntimeError``, nothing recorded): a fold before a mixture-of-experts part
+        or a channel-first kind, a fold without the structure probe, and a fold the probe did not see for this input
+        signature (rows routed by the data)."""
+        k = batchdim.fold_factor(rows, B)
+        if k == 1:
+            return 1
+        parts = label.split(".") if label != "<root>" else []
+        model = self.engine.model
+        chain = [type(model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts), -1, -1)]
+        head = f"the batch axis is folded into dimension 0 (size {rows} = {k} * {B}) before module {label!r} " \
+            f"({type(module).__name__})"
+        if batchdim.is_moe(chain):
+            raise RuntimeError(batchdim.no_batch_message(label, chain, [torch.empty(rows, 0)], B))
+        if not foldable:
+            raise RuntimeError(
+                f"{head}, a channel-first layer: fastdp unfolds such rows for layers whose middle dimensions are "
+                "positions (Linear, Embedding, LayerNorm, RMSNorm, HF Conv1D), not for convolutions or channel "
+                "norms. Keep the batch dimension first in the model's forward, or freeze the module's parameters.")
+        if B is None or B < 2:  # a batch of one: every row is its sample's
+            return k
+        if not self.engine.verify_structure:
+            raise RuntimeError(
+                f"{head}. fastdp takes row r as sample r // {k}'s (the order x.reshape(-1, d) gives), which only the "
+                "structure probe verifies, and it is off (PrivacyEngine(verify_structure=False)). Turn it on, or "
+                "keep the batch dimension first in the model's forward.")
+        if self.probe.running:
+            self.probe.folds.setdefault(self.probe.sig, {}).setdefault(id(module), set()).add(k)
+            return k
+        seen = self.probe.folds.get(self.roots[0].sig if self.roots else None, {}).get(id(module), set())
+        if k not in seen:
+            raise RuntimeError(
+                f"{head}, but the structure probe verified this input signature with "
+                f"{'fold factors ' + str(sorted(seen)) if seen else 'no fold'} there: its rows depend on the data "
+                "(tokens routed or selected by a mask), not on the batch's shape, and cannot be attributed to "
+                "samples. Freeze the module's parameters, or keep the batch dimension first in the model's "
+                "forward. Nothing of this call was recorded.")
+        return k
 
     # ------------------------------------------------------------------ backward
     def on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:
@@ -409,7 +476,7 @@ class Capture:
                 f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
                 "sample may contribute once per logical step. Do not call backward twice on one graph "
                 "(retain_graph=True) under a PrivacyEngine.")
-        grad = grad.detach()
+        grad = batchdim.unfold_rows(grad.detach(), rec.fold)
         if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
             # a float32 (or wider) sum over positions: no product, so neither autocast nor a TF32 / bf16 setting
             # changes it, and it runs without the clipping stage's numerics switch (about 25 us per hook)

@@ -110,6 +110,11 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
     new_leaves = list(leaves)
     hooked: list[int] = []
     declared = generic.output_batch_dims(module, leaves) or [None] * len(leaves)
+    fold = _fold(cap, module, label, leaves, declared, B, lay)
+    rows = None if B is None else B * fold  # the leading size of the call's per-sample tensors
+    if rows is not None:
+        cap.note_rows(rows if any(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == rows
+                                  for x in leaves) else None, fold, B)
     out_dims: list[int] = []
     for j, leaf in enumerate(leaves):
         if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1):
@@ -118,11 +123,11 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
         if d is not None and B is not None and leaf.shape[d] == B:  # batch dimension declared by the owner
             hooked.append(j)
             out_dims.append(d)
-        elif d is None and B is not None and leaf.shape[0] == B and (lay is None or j not in lay.shared_out):
+        elif d is None and B is not None and leaf.shape[0] == rows and (lay is None or j not in lay.shared_out):
             hooked.append(j)
             out_dims.append(0)
         elif d is None and B is not None and generic.is_broadcast(leaf, B):
-            new_leaves[j] = leaf.expand(B, *leaf.shape[1:])
+            new_leaves[j] = leaf.expand(rows, *leaf.shape[1:])
             hooked.append(j)
             out_dims.append(0)
             if cap.probe.running:
@@ -145,11 +150,11 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
             f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
             "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "
             "cannot be attributed to samples. Freeze them, or return per-sample outputs.")
-    args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module, lay.shared_in if lay else ())
+    args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, rows, module, lay.shared_in if lay else ())
     call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
                                outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
                                label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims,
-                               call_index=k_call)
+                               call_index=k_call, fold=fold)
     rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
                  forward=cap.current_forward())
     call.grads.extend([None] * len(hooked))
@@ -164,6 +169,26 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
         new_leaves[j] = cap.hook_output(out, rec, k)
     cap.pending.append(rec)
     return tree_unflatten(new_leaves, spec)
+
+
+def _fold(cap: Any, module: nn.Module, label: str, leaves: list[Any], declared: list[int | None], B: int | None,
+          lay: Any) -> int:
+    """The fold factor of a generic owner's call (:func:`fastdp.layers.batchdim.fold_factor`): ``k`` when none of
+    its floating outputs has leading size ``B`` and those with a multiple of it all have ``k B``; else 1. The
+    checks of a fold are the layer kinds' (:meth:`fastdp.capture.Capture.fold_of`)."""
+    if B is None or isinstance(module, nn.RNNBase) or any(d is not None for d in declared):
+        return 1
+    sizes = {leaf.shape[0] for j, leaf in enumerate(leaves)
+             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1
+             and (lay is None or j not in lay.shared_out)}
+    folds = {batchdim.fold_factor(s, B) for s in sizes} - {1}
+    if B in sizes or len(folds) > 1:
+        return 1
+    if not folds:  # broadcast outputs only (a relative position bias): the latest per-sample call's rows
+        k = cap.broadcast_fold() if B > 1 and sizes == {1} else 1
+        return 1 if k == 1 else cap.fold_of(module, label, True, k * B, B)
+    k = folds.pop()
+    return cap.fold_of(module, label, True, k * B, B)
 
 
 def _expanded_record(cap: Any, module: nn.Module, exp: expand.ExpandedCall, names: frozenset[str], label: str,

@@ -313,6 +313,8 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     random_ops: set[str] = set()
     engine._capture.probe.inconclusive = False
     engine._capture.probe.running = True
+    engine._capture.probe.sig = sig
+    engine._capture.probe.folds.pop(sig, None)  # the fold factors its engine pass sees (fastdp.capture)
     engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
     broadcast = engine_failed = False
     suspects: list[str] = []
@@ -601,7 +603,7 @@ def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.Own
         if lay is None:
             kept.append(rec)
             continue
-        dims = generic.capture_inputs(call.args, call.kwargs, B, rec.module, shared=lay.shared_in)[2]
+        dims = generic.capture_inputs(call.args, call.kwargs, B * call.fold, rec.module, shared=lay.shared_in)[2]
         changed |= tree_flatten(dims)[0] != tree_flatten(call.in_dims)[0]
         call.in_dims = dims
         drop = [k for k, j in enumerate(call.leaf_index) if j in lay.shared_out]

@@ -57,6 +57,8 @@ class AffineNormKind(LayerKind):
 class TrailingNormKind(AffineNormKind):
     """Parameters over the trailing ``normalized_shape`` (LayerNorm, RMSNorm): summed over the dimensions between."""
 
+    foldable = True
+
     def reduce_dims(self, module: nn.Module, G: torch.Tensor) -> tuple[int, ...]:
         k = len(module.normalized_shape)
         return tuple(range(1, G.dim() - k))

@@ -93,6 +93,13 @@ class LayerKind:
     module_types: ClassVar[tuple[type[nn.Module], ...]] = ()
     #: whether GhostClip's layer-local replay (``"ghost"`` mode) can recompute this kind's gradients.
     replayable: ClassVar[bool] = True
+    #: whether every dimension of the input and output between the batch and the kind's own trailing dimensions is
+    #: a position the math sums over (Linear, Embedding, LayerNorm, RMSNorm): then a call that sees the batch
+    #: folded into dimension 0 (``k B`` rows, sample ``i`` owning rows ``i k .. i k + k - 1``, as
+    #: ``x.reshape(-1, d)`` makes them) is the same call on ``(B, k, ...)``: the engine unflattens dimension 0 and
+    #: the kind sees ``k`` more positions (:mod:`fastdp.layers.batchdim`). Channel-first kinds (convolutions,
+    #: GroupNorm) are not: their dimension 1 is the channel.
+    foldable: ClassVar[bool] = False
     #: qualified class names (``"package.module.Class"``) of optional packages' modules this kind handles.
     module_type_names: ClassVar[tuple[str, ...]] = ()
     #: configurations of (possibly wider) module types that cannot be trained privately; the only source of the

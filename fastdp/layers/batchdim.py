@@ -68,7 +68,7 @@ def no_batch_message(label: str, type_names: list[str], inputs: list[Any], batch
     X = next(s for s in sizes if s != batch)
     head = f"module {label!r} ({type_names[0]})"
     fold = f"size {X} = {X // batch} * {batch}" if X % batch == 0 and X > batch else f"size {X}, batch size {batch}"
-    if any(k in t.lower() for t in type_names for k in _MOE):
+    if is_moe(type_names):
         return (f"{head} is part of a mixture-of-experts layer ({' < '.join(type_names[1:3])}): the tokens of the "
                 f"whole batch are flattened into dimension 0 ({fold}) and the router sends them to experts across "
                 "samples, so the router's and experts' gradients cannot be attributed to samples. Freeze the router "
@@ -81,4 +81,34 @@ def no_batch_message(label: str, type_names: list[str], inputs: list[Any], batch
     return (f"{head} receives inputs with leading size {X}, neither the batch size {batch} nor a multiple of it: the "
             "samples are gathered, routed or mixed before it, so its parameters' gradients cannot be attributed to "
             "samples. Keep the batch dimension first, or freeze the module's parameters.")
-__all__ = ["AmbiguousBatchError", "infer_batch_size", "no_batch_message"]
+
+
+def fold_factor(rows: int, batch: int | None) -> int:
+    """``k`` when a call's ``rows`` are ``k * batch`` with ``k >= 2`` (the batch folded into dimension 0, as
+    ``x.reshape(-1, d)`` on ``(B, T, d)`` or a multiple-choice model's ``(B, C, T) -> (B C, T)`` make it), else 1.
+
+    Row ``r`` is then taken as sample ``r // k``'s: ``reshape``/``view`` flatten the leading dimensions sample-major.
+    The shapes cannot show that a model flattened them in that order (``x.transpose(0, 1).reshape(-1, d)`` has the
+    same size), so the engine accepts a fold only where the structure probe (:mod:`fastdp.probe`) verified it: per
+    input signature, the per-sample gradients of the folded calls against a batch of one each, and every later
+    call of the signature must fold its rows by the factor the probe saw. A batch of one needs no verification:
+    every row is its one sample's."""
+    if not batch or rows <= batch or rows % batch:
+        return 1
+    return rows // batch
+
+
+def unfold_rows(t: Any, fold: int) -> Any:
+    """A folded call's ``(k B, ...)`` tensor as ``(B, k, ...)`` (a view); anything else unchanged."""
+    if fold > 1 and isinstance(t, torch.Tensor) and t.dim() >= 1:
+        return t.unflatten(0, (t.shape[0] // fold, fold))
+    return t
+
+
+def is_moe(type_names: list[str]) -> bool:
+    """Whether a module or an ancestor is named like a mixture-of-experts part (``*MoE*``, ``*Expert*``,
+    ``*Router*``): its rows are tokens routed across samples, never a fold of the batch."""
+    return any(k in t.lower() for t in type_names for k in _MOE)
+
+
+__all__ = ["AmbiguousBatchError", "fold_factor", "infer_batch_size", "is_moe", "no_batch_message", "unfold_rows"]

@@ -138,6 +138,9 @@ class GenericCall:
     out_dims: list[int] = field(default_factory=list)
     #: the owner's call count in the model's forward pass (``k``: its ``k``-th call), keys its learned layout
     call_index: int = -1
+    #: rows per sample when the call saw the batch folded into dimension 0 (:func:`fastdp.layers.batchdim.fold_factor`):
+    #: its batched inputs and outputs have ``fold * batch`` rows, and each sample is replayed on its ``fold`` rows
+    fold: int = 1
 
 
 def rng_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -220,12 +223,13 @@ class GenericKind(LayerKind):
             return {n: to_accumulation(p.new_zeros(0, *p.shape)) for n, p in primals.items()}
         out_dims = call.out_dims or [0] * len(call.outputs)
         # per-sample cotangents: batch dimension d moved first, a batch of one kept at d: (B, ..., 1 at d, ...)
-        cots = tuple((g if g is not None else torch.zeros_like(o)).to(o.dtype).movedim(d, 0).unsqueeze(d + 1)
+        # (a folded call: (k B, ...) tensors as (B, k, ...), each sample replayed on its k rows)
+        cots = tuple(_per_sample((g if g is not None else torch.zeros_like(o)).to(o.dtype), d, call.fold)
                      for g, o, d in zip(call.grads, call.outputs, out_dims, strict=True))
         arg_dims, kwarg_dims = call.in_dims
         args_b, kwargs_b = tree_map(lambda x: x, (call.args, call.kwargs))
-        args_b = _unsqueeze_batched(args_b, arg_dims)
-        kwargs_b = _unsqueeze_batched(kwargs_b, kwarg_dims)
+        args_b = _unsqueeze_batched(args_b, arg_dims, call.fold)
+        kwargs_b = _unsqueeze_batched(kwargs_b, kwarg_dims, call.fold)
         leaf_index = call.leaf_index
 
         def one(args_i: tuple[Any, ...], kwargs_i: dict[str, Any], cot_i: tuple[torch.Tensor, ...]) -> Any:
@@ -307,14 +311,25 @@ def _loop(one: Any, args_b: Any, kwargs_b: Any, cots: tuple[torch.Tensor, ...], 
     return grads, outs
 
 
-def _unsqueeze_batched(tree: Any, dims: Any) -> Any:
-    """Batched tensors ``(B, ...)`` become ``(B, 1, ...)`` (batch dimension ``d``: a 1 inserted after it): vmap then
-    hands each sample a batch of one."""
+def _per_sample(t: torch.Tensor, d: int, fold: int) -> torch.Tensor:
+    """A batched tensor with its batch dimension ``d`` first, split per sample: ``(B, ...)`` as ``(B, 1, ...)`` (a
+    1 inserted after ``d``, a batch of one each), or, folded (``fold = k``, ``d = 0``), ``(k B, ...)`` as
+    ``(B, k, ...)``: sample ``i``'s rows ``i k .. i k + k - 1``."""
+    if fold > 1:
+        return t.unflatten(0, (t.shape[0] // fold, fold))
+    return t.movedim(d, 0).unsqueeze(d + 1)
+
+
+def _unsqueeze_batched(tree: Any, dims: Any, fold: int = 1) -> Any:
+    """Batched tensors ``(B, ...)`` become ``(B, 1, ...)`` (batch dimension ``d``: a 1 inserted after it), folded
+    ones ``(k B, ...)`` become ``(B, k, ...)`` (:func:`_per_sample`): vmap then hands each sample a batch of one (of
+    its ``k`` rows)."""
     flat, spec = tree_flatten(tree)
     flat_dims = tree_flatten(dims)[0] if dims is not None else [None] * len(flat)
     if len(flat_dims) != len(flat):  # dims is a prefix (None for a whole subtree)
         flat_dims = [None] * len(flat)
-    out = [x.unsqueeze(d + 1) if d is not None else x for x, d in zip(flat, flat_dims, strict=True)]
+    out = [x if d is None else x.unflatten(0, (x.shape[0] // fold, fold)) if fold > 1 else x.unsqueeze(d + 1)
+           for x, d in zip(flat, flat_dims, strict=True)]
     return spec.unflatten(out)
 
 

@@ -647,15 +647,20 @@ def test_moe_routing_is_refused_by_name(family):
     _refusal(model, ids, r"mixture-of-experts layer .*\(size 21 = 7 \* 3\) and the router sends them to experts")
 
 
-def test_swin_window_folding_is_refused_by_name():
+def test_swin_window_folding_is_refused_without_the_probe():
+    """Swin's window partition folds the batch into the windows (``(B W, N, C)``): exact where the structure probe
+    verified the fold (``swin-timm``, ``swin`` in test_models_families.py), refused without it."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
                               window_size=2, embed_dim=8, depths=(1, 1), num_heads=(1, 2), num_classes=3).eval()
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    engine = make_engine(model, batch_size=3, verify_structure=False)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     # 32/4 = 8x8 patches in 2x2 windows: 16 windows per image
-    _refusal(model, x, r"the batch axis is folded into dimension 0 \(size 48 = 16 \* 3\) before module "
-                       r"'layers.0.blocks.0.attn' \(WindowAttention\)")
+    with pytest.raises(RuntimeError, match=r"the batch axis is folded into dimension 0 \(size 48 = 16 \* 3\) before "
+                                           r"module 'layers.0.blocks.0.attn.qkv' \(Linear\).*verify_structure=False"):
+        model(x)
 
 
 class Gathered(nn.Module):

@@ -29,6 +29,7 @@ _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 @register
 class EmbeddingKind(LayerKind):
     module_types = (nn.Embedding,)
+    foldable = True
     refusals = (
         Refusal(_EMBEDDINGS, lambda m: m.max_norm is not None,
                 lambda m: f"has max_norm={m.max_norm}: forward renormalises the looked-up rows of the weight in place, "

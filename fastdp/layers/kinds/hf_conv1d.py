@@ -34,6 +34,7 @@ def _conv1d(nf: int, nx: int) -> nn.Module:
 @register
 class HFConv1DKind(_matmul.OuterProductKind):
     module_type_names = ("transformers.pytorch_utils.Conv1D",)
+    foldable = True
     doc = DocRow("HF `transformers.pytorch_utils.Conv1D` (GPT-2)", "weight, bias",
                  "as `nn.Linear` (the weight is stored transposed, `(d, p)`)",
                  "matched by qualified class name: fastdp does not import transformers.")

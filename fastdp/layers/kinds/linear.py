@@ -21,6 +21,7 @@ from fastdp.layers.spec import DocRow, OracleCase
 @register
 class LinearKind(_matmul.OuterProductKind):
     module_types = (nn.Linear,)
+    foldable = True
     doc = DocRow(
         "`nn.Linear`", "weight, bias", "weight: ghost norm or instantiation (cost model); bias: instantiated",
         "any number of leading dims `(B, *, d)`; positions `T` = all dims between batch and features. A bias-only "
