@@ -20,7 +20,9 @@ A *method* is how one training step is taken:
   (``fastdp.layers._matmul.INSTANTIATION_SLACK`` 1.25 during its steps, ``MODULE_SWITCHES``) and ``fastdp BK-MixOpt,
   full Grams`` (ghost norms from whole ``T x T`` Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP``
   at one strip) and ``fastdp BK-MixOpt, aligned Grams`` (at a ``T`` that is not a multiple of 16, a leading strip of
-  ``T mod 16`` rows: ``fastdp.layers._matmul.GRAM_ALIGN``, not adopted).
+  ``T mod 16`` rows: ``fastdp.layers._matmul.GRAM_ALIGN``, not adopted) and ``fastdp BK-MixOpt, no fold guard``
+  (``fastdp.layers.fold_guard.RowGuard`` replaced by :class:`NoRowGuard`: what the guard costs a model whose layers
+  see the batch folded, OPT).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -40,11 +42,28 @@ from torch import nn
 
 from fastdp.modes import CLIPPING_MODES as _MODES
 
-TEXT_MODELS = ("gpt2", "roberta", "tinylm", "tinycls")
+TEXT_MODELS = ("gpt2", "roberta", "tinylm", "tinycls", "opt")
 IMAGE_MODELS = ("vit", "resnet", "cnn")
 MODELS = TEXT_MODELS + IMAGE_MODELS
 FASTDP_MODES: tuple[str, ...] = tuple(_MODES)
 DEFAULT_METHOD = f"fastdp {FASTDP_MODES[0]}"
+class NoRowGuard:
+    """The rows-chosen-by-the-data guard (``fastdp.layers.fold_guard.RowGuard``) replaced by nothing, for the A/B
+    variant ``no fold guard``: no mode entered, no row taken as chosen."""
+
+    def start(self, args: object, kwargs: object) -> None:
+        return None
+
+    def row_chosen(self, tree: object) -> bool:
+        return False
+
+    def __enter__(self) -> NoRowGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 #: A/B variants of the default mode: method name -> (engine keyword arguments, engine attributes set after attach)
 VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, on arrival off": ({}, {"_capture.on_arrival": False}),
@@ -54,6 +73,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, slack 1.25": ({}, {}),
     f"{DEFAULT_METHOD}, full Grams": ({}, {}),
     f"{DEFAULT_METHOD}, aligned Grams": ({}, {}),
+    f"{DEFAULT_METHOD}, no fold guard": ({}, {}),
 }
 #: A/B variants that set a fastdp module constant for the duration of each of their steps: method -> [(module,
 #: attribute, value)]
@@ -61,6 +81,8 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     f"{DEFAULT_METHOD}, slack 1.25": [("fastdp.layers._matmul", "INSTANTIATION_SLACK", 1.25)],
     f"{DEFAULT_METHOD}, full Grams": [("fastdp.layers._matmul", "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})],
     f"{DEFAULT_METHOD}, aligned Grams": [("fastdp.layers._matmul", "GRAM_ALIGN", {"cpu": 16, "cuda": 16})],
+    # what the rows-chosen-by-the-data guard costs a model with folded calls (OPT): it replaced by a no-op
+    f"{DEFAULT_METHOD}, no fold guard": [("fastdp.layers.fold_guard", "RowGuard", NoRowGuard)],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS)
@@ -70,7 +92,7 @@ DEFAULT_SIZES = {"gpt2": (64, 256, 1024), "roberta": (64, 256, 1024), "vit": (32
 WIDTHS = {
     "cpu": {"gpt2": (8000, 256, 4, 4, 0), "roberta": (8000, 256, 4, 4, 0), "vit": (10, 192, 4, 3, 8),
             "resnet": (10, 0, 0, 0, 0), "tinylm": (8000, 256, 4, 4, 0), "tinycls": (8000, 256, 4, 4, 0),
-            "cnn": (10, 16, 0, 0, 0)},
+            "cnn": (10, 16, 0, 0, 0), "opt": (8000, 256, 4, 4, 0)},
     "paper": {"gpt2": (50257, 768, 12, 12, 0), "roberta": (50265, 768, 12, 12, 0), "vit": (10, 768, 12, 12, 16),
               "resnet": (10, 0, 0, 0, 0)},
     "wide": {"gpt2": (8000, 768, 2, 12, 0)},
@@ -78,7 +100,7 @@ WIDTHS = {
     "probe": {"gpt2": (256, 64, 2, 4, 0)},
     "tiny": {"gpt2": (50, 16, 1, 2, 0), "roberta": (50, 16, 1, 2, 0), "vit": (10, 16, 1, 2, 4),
              "resnet": (10, 0, 0, 0, 0), "tinylm": (50, 16, 1, 2, 0), "tinycls": (50, 16, 1, 2, 0),
-             "cnn": (10, 4, 0, 0, 0)},
+             "cnn": (10, 4, 0, 0, 0), "opt": (50, 16, 1, 2, 0)},
 }
 
 
@@ -120,12 +142,15 @@ class Workload:
 
     @property
     def is_transformer(self) -> bool:
-        return self.model in ("gpt2", "roberta", "vit", "tinylm", "tinycls")
+        return self.model in ("gpt2", "roberta", "vit", "tinylm", "tinycls", "opt")
 
     def describe(self) -> str:
         vocab, d, layers, heads, patch = WIDTHS[self.widths][self.model]
         if self.model == "gpt2":
             return f"HF GPT-2 LM (vocab {vocab}, d {d}, {layers} layers, {heads} heads, tied head), T {self.size}"
+        if self.model == "opt":
+            return (f"HF OPT LM (vocab {vocab}, d {d}, {layers} layers, {heads} heads, tied head; its MLP and final "
+                    f"norms see the batch folded into (B*T, d)), T {self.size}")
         if self.model == "roberta":
             return f"HF RoBERTa classifier (vocab {vocab}, d {d}, {layers} layers, {heads} heads), T {self.size}"
         if self.model == "vit":
@@ -173,6 +198,11 @@ def make_model(w: Workload) -> nn.Module:
             cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=max(w.size, 16), n_embd=d, n_layer=layers,
                                           n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
             model = transformers.GPT2LMHeadModel(cfg)
+        elif w.model == "opt":
+            cfg = transformers.OPTConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers,
+                                         num_attention_heads=heads, ffn_dim=4 * d, max_position_embeddings=w.size,
+                                         word_embed_proj_dim=d, dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
+            model = transformers.OPTForCausalLM(cfg)
         else:
             cfg = transformers.RobertaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers,
                                              num_attention_heads=heads, intermediate_size=4 * d,
@@ -274,21 +304,21 @@ class TinyClassifier(nn.Module):
 
 def forward_fn(w: Workload) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     """``forward(model, inputs) -> logits``."""
-    if w.model in ("gpt2", "roberta"):
+    if w.model in ("gpt2", "roberta", "opt"):
         return lambda m, x: m(input_ids=x).logits
     return lambda m, x: m(x)
 
 
 def task(w: Workload) -> str:
     """``"lm"`` (logits (B, T, V), targets (B, T)) or ``"cls"`` (logits (B, C), targets (B,))."""
-    return "lm" if w.model in ("gpt2", "tinylm") else "cls"
+    return "lm" if w.model in ("gpt2", "tinylm", "opt") else "cls"
 
 
 def make_batch(w: Workload, device: torch.device, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed synthetic batch ``(inputs, targets)`` on ``device``."""
     g = torch.Generator().manual_seed(seed)
     vocab = WIDTHS[w.widths][w.model][0]
-    if w.model in ("gpt2", "tinylm"):
+    if w.model in ("gpt2", "tinylm", "opt"):
         ids = torch.randint(0, vocab, (w.batch, w.size + 1), generator=g)
         x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     elif w.model in ("roberta", "tinycls"):

@@ -35,7 +35,7 @@ from torch import nn
 
 from fastdp import capture_generic, deferred, empty_batch, hf_guard, loss_check, loss_trace, probe, session
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
-from fastdp.layers import batchdim, checkpointing, expand, generic, layout
+from fastdp.layers import batchdim, checkpointing, expand, fold_guard, generic, layout
 from fastdp.layers.base import LayerKind, clipping_precision
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry
@@ -57,6 +57,10 @@ class RootFrame:
     trace_sig: Any = None  # the input signature, when the loss trace (fastdp.loss_trace) follows this call's outputs
     sig: Any = None  # the input signature (computed when the call records: batch size >= 1, autograd on)
     last_fold: int = 1  # the fold factor of the latest per-sample hooked call (Capture.note_rows)
+    sizes: tuple[int, ...] = ()  # the non-batch sizes of the per-sample inputs (batchdim.input_sizes)
+    #: the rows-chosen-by-the-data guard (fastdp.layers.fold_guard), active during the call when its signature's
+    #: probe saw a fold, and during the probe's engine pass
+    guard: Any = None
 
 
 @dataclass
@@ -91,9 +95,12 @@ class ProbeState:
     #: the last probe run compared only rounding noise (every per-sample gradient ~0): its signature is not verified
     inconclusive: bool = False
     sig: Any = None  # the input signature the probe is verifying
-    #: input signature -> id(module) -> the fold factors its calls had in the probe's engine pass
-    #: (:func:`fastdp.layers.batchdim.fold_factor`): later calls of the signature must fold the same way
-    folds: dict[Any, dict[int, set[int]]] = field(default_factory=dict)
+    #: input signature -> id(module) -> how the fold factors of its calls in the probe's engine pass follow the
+    #: inputs' shapes (:func:`fastdp.layers.batchdim.fold_rules`): later calls of the signature must fold the same
+    #: way
+    folds: dict[Any, dict[int, set[tuple[Any, ...]]]] = field(default_factory=dict)
+    #: input signature -> why its last probe did not verify it (postponed, inconclusive, its engine pass raised)
+    unverified: dict[Any, str] = field(default_factory=dict)
 
 
 #: why a model run under ``torch.compile`` is refused, and what to do (docs/guide/integrations.md#torchcompile)
@@ -313,6 +320,10 @@ class Capture:
         frame.batch = B = batchdim.infer_batch_size(args, kwargs)
         if len(self.roots) == 1:
             self.owner_layouts.start()  # the size rule, unless the probe knows this call's signature
+        if B is not None and B >= 2:
+            frame.sizes = batchdim.input_sizes(args, kwargs, B)
+            if self.probe.running and not self.probe.reference and torch.is_grad_enabled():
+                self._guard(frame, args, kwargs)  # the probe's engine pass: folds are checked as in the real pass
         if (B is None or B < 1 or len(self.roots) != 1 or self.inert or self.paused or self.probe.running
                 or not torch.is_grad_enabled()):
             return replaced
@@ -323,13 +334,25 @@ class Capture:
         if self.engine.verify_loss and B >= 2:
             frame.loss_sig = sig if self.loss.take(sig) else None
             frame.trace_sig = sig if self.trace.take(sig) and not run_by_torch_compile() else None
+        if B >= 2 and self.engine.verify_structure and (self.probe.folds.get(sig) or sig not in self.probe.seen):
+            self._guard(frame, args, kwargs)  # (an unverified signature: a fold is refused, and why is said first)
         return replaced
+
+    @staticmethod
+    def _guard(frame: RootFrame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Enter the rows-chosen-by-the-data guard for this forward call (left in :meth:`_root_post`)."""
+        frame.guard = fold_guard.RowGuard()
+        frame.guard.start(args, kwargs)
+        frame.guard.__enter__()
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""
         if not self.roots:
             return
         frame = self.roots.pop()
+        if frame.guard is not None:
+            frame.guard.__exit__(None, None, None)
+            frame.guard = None
         if sys.exc_info()[1] is frame.handled and frame.loss_sig is not None:
             loss_check.arm(self.engine, self.loss, frame.loss_sig, output, frame.batch)
         if sys.exc_info()[1] is frame.handled and frame.trace_sig is not None:
@@ -386,10 +409,10 @@ class Capture:
             # per-sample call when that one saw the batch folded (a multiple-choice model's position table, added
             # to (B C, T, d) embeddings), which the structure probe verifies like any fold
             rows = B * self.broadcast_fold()
-            fold = self.fold_of(module, label, kind.foldable, rows, B)
+            fold = self.fold_of(module, label, kind.foldable, rows, B, args)
             out = out.expand(rows, *out.shape[1:])
         else:
-            fold = 1 if out.dim() == 0 else self.fold_of(module, label, kind.foldable, out.shape[0], B)
+            fold = 1 if out.dim() == 0 else self.fold_of(module, label, kind.foldable, out.shape[0], B, args)
             self.note_rows(out.shape[0] if out.dim() else None, fold, B)
         activation = None
         if needs_act:
@@ -417,13 +440,15 @@ class Capture:
         """The fold factor of the latest per-sample hooked call of this forward call (1: none, or unfolded)."""
         return self.roots[-1].last_fold if self.roots else 1
 
-    def fold_of(self, module: nn.Module, label: str, foldable: bool, rows: int, B: int | None) -> int:
+    def fold_of(self, module: nn.Module, label: str, foldable: bool, rows: int, B: int | None,
+                inputs: Any = ()) -> int:
         """The fold factor ``k`` of a hooked call with ``rows`` output rows (``k B``: the batch folded into
         dimension 0, :func:`fastdp.layers.batchdim.fold_factor`), 1 if none. ``foldable``: the layer kind's
         :attr:`~fastdp.layers.base.LayerKind.foldable` (a generic owner: True, its replay takes a sample's ``k``
-        rows as its batch). Refused (``RuntimeError``, nothing recorded): a fold before a mixture-of-experts part
-        or a channel-first kind, a fold without the structure probe, and a fold the probe did not see for this input
-        signature (rows routed by the data)."""
+        rows as its batch); ``inputs``: the call's inputs. Refused (``RuntimeError``, nothing recorded): a fold
+        before a mixture-of-experts part or a channel-first kind, a fold without the structure probe or before it
+        verified the signature, a fold of rows chosen by the data (:mod:`fastdp.layers.fold_guard`), and a fold
+        factor that follows the inputs' shapes in none of the ways the probe saw (:func:`batchdim.fold_rules`)."""
         k = batchdim.fold_factor(rows, B)
         if k == 1:
             return 1
@@ -446,17 +471,36 @@ class Capture:
                 f"{head}. fastdp takes row r as sample r // {k}'s (the order x.reshape(-1, d) gives), which only the "
                 "structure probe verifies, and it is off (PrivacyEngine(verify_structure=False)). Turn it on, or "
                 "keep the batch dimension first in the model's forward.")
-        if self.probe.running:
-            self.probe.folds.setdefault(self.probe.sig, {}).setdefault(id(module), set()).add(k)
-            return k
-        seen = self.probe.folds.get(self.roots[0].sig if self.roots else None, {}).get(id(module), set())
-        if k not in seen:
+        guard = next((f.guard for f in reversed(self.roots) if f.guard is not None), None)
+        if guard is not None and guard.row_chosen(inputs):
             raise RuntimeError(
-                f"{head}, but the structure probe verified this input signature with "
-                f"{'fold factors ' + str(sorted(seen)) if seen else 'no fold'} there: its rows depend on the data "
-                "(tokens routed or selected by a mask), not on the batch's shape, and cannot be attributed to "
-                "samples. Freeze the module's parameters, or keep the batch dimension first in the model's "
-                "forward. Nothing of this call was recorded.")
+                f"{head}, but its rows were chosen by the data (selected, gathered, sorted or scattered at indices "
+                "computed from the inputs, e.g. h[mask] to drop padding): each sample may own a different number "
+                "of them, so they cannot be taken as k rows per sample. Keep the padded (B, T, ...) layout (mask "
+                "the padding instead of dropping it), or freeze the module's parameters. Nothing of this call was "
+                "recorded.")
+        frame = self.roots[-1] if self.roots else None
+        if self.probe.running:
+            if frame is not None:
+                self.probe.folds.setdefault(self.probe.sig, {}).setdefault(id(module), set()).update(
+                    batchdim.fold_rules(k, frame.sizes))
+            return k
+        sig = self.roots[0].sig if self.roots else None
+        if sig not in self.probe.seen:
+            why = self.probe.unverified.get(sig, "it did not run" if self.engine.verify_structure else "it is off")
+            raise RuntimeError(
+                f"{head}. The structure probe has not verified this input signature ({why}), and rows are taken as "
+                "sample r // k's only where it did. Nothing of this call was recorded.")
+        rules = self.probe.folds.get(sig, {}).get(id(module), set())
+        if not batchdim.fold_follows(rules, k, self.roots[0].sizes):
+            seen = sorted(r[1] for r in rules if r[0] == "const")
+            raise RuntimeError(
+                f"{head}, but the structure probe saw {'fold factors ' + str(seen) if seen else 'no fold'} there "
+                f"for this input signature, and {k} is neither one of them nor the same product of the inputs' "
+                f"sizes {list(self.roots[0].sizes)}: its rows depend on something other than the batch's shape (tokens "
+                "routed or selected by the data) and cannot be attributed to samples. Freeze the module's "
+                "parameters, or keep the batch dimension first in the model's forward. Nothing of this call was "
+                "recorded.")
         return k
 
     # ------------------------------------------------------------------ backward

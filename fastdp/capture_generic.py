@@ -110,7 +110,7 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
     new_leaves = list(leaves)
     hooked: list[int] = []
     declared = generic.output_batch_dims(module, leaves) or [None] * len(leaves)
-    fold = _fold(cap, module, label, leaves, declared, B, lay)
+    fold, in_fold = _fold(cap, module, label, leaves, declared, B, lay, args, kwargs)
     rows = None if B is None else B * fold  # the leading size of the call's per-sample tensors
     if rows is not None:
         cap.note_rows(rows if any(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == rows
@@ -150,11 +150,12 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
             f"module {label!r} ({type(module).__name__}) owns trainable parameters {sorted(names)} but none of "
             "its outputs has a batch dimension (leading size equal to the batch size, or 1), so their gradients "
             "cannot be attributed to samples. Freeze them, or return per-sample outputs.")
-    args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, rows, module, lay.shared_in if lay else ())
+    args_d, kwargs_d, in_dims = generic.capture_inputs(args, kwargs, B, module, lay.shared_in if lay else (),
+                                                       fold=in_fold)
     call = generic.GenericCall(args=args_d, kwargs=kwargs_d, in_dims=in_dims, batch=B, leaf_index=hooked,
                                outputs=[new_leaves[j].detach() for j in hooked], names=tuple(sorted(names)),
                                label=label, autocast=autocast_state(), rng=rng, out_dims=out_dims,
-                               call_index=k_call, fold=fold)
+                               call_index=k_call, fold=fold, in_fold=in_fold)
     rec = Record(module=module, kind=generic.GENERIC, names=names, activation=call, grads=call.grads,
                  forward=cap.current_forward())
     call.grads.extend([None] * len(hooked))
@@ -172,23 +173,44 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
 
 
 def _fold(cap: Any, module: nn.Module, label: str, leaves: list[Any], declared: list[int | None], B: int | None,
-          lay: Any) -> int:
-    """The fold factor of a generic owner's call (:func:`fastdp.layers.batchdim.fold_factor`): ``k`` when none of
-    its floating outputs has leading size ``B`` and those with a multiple of it all have ``k B``; else 1. The
-    checks of a fold are the layer kinds' (:meth:`fastdp.capture.Capture.fold_of`)."""
+          lay: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
+    """The fold factors of a generic owner's call (:func:`fastdp.layers.batchdim.fold_factor`), of its outputs and
+    of its inputs: ``(k, k)`` when none of its floating outputs has leading size ``B`` and those with a multiple of
+    it all have ``k B``; ``(1, k)`` when its outputs have ``B`` rows and its inputs ``k B`` (:func:`_input_fold`);
+    else ``(1, 1)``. The checks of a fold are the layer kinds' (:meth:`fastdp.capture.Capture.fold_of`)."""
     if B is None or isinstance(module, nn.RNNBase) or any(d is not None for d in declared):
-        return 1
+        return 1, 1
     sizes = {leaf.shape[0] for j, leaf in enumerate(leaves)
              if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1
              and (lay is None or j not in lay.shared_out)}
     folds = {batchdim.fold_factor(s, B) for s in sizes} - {1}
+    if B in sizes and not folds:
+        return 1, _input_fold(cap, module, label, B, lay, args, kwargs)
     if B in sizes or len(folds) > 1:
-        return 1
+        return 1, 1
     if not folds:  # broadcast outputs only (a relative position bias): the latest per-sample call's rows
         k = cap.broadcast_fold() if B > 1 and sizes == {1} else 1
-        return 1 if k == 1 else cap.fold_of(module, label, True, k * B, B)
+    else:
+        k = folds.pop()
+    k = 1 if k == 1 else cap.fold_of(module, label, True, k * B, B, [args, kwargs])
+    return k, k
+
+
+def _input_fold(cap: Any, module: nn.Module, label: str, B: int, lay: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> int:
+    """An owner whose outputs have ``B`` rows and whose per-sample inputs all have ``k B`` (an attention pooling of
+    each sample's folded rows): ``k``, its inputs then folded (:attr:`fastdp.layers.generic.GenericCall.in_fold`);
+    else 1. Not when any input has leading size ``B`` (its ``k B``-row inputs may then be tables shared by the
+    batch whose size is a multiple of it by coincidence)."""
+    flat = tree_flatten((tuple(args), dict(kwargs)))[0]
+    shared = lay.shared_in if lay is not None else ()
+    sizes = {x.shape[0] for j, x in enumerate(flat)
+             if isinstance(x, torch.Tensor) and x.dim() >= 1 and j not in shared}
+    folds = {batchdim.fold_factor(s, B) for s in sizes} - {1}
+    if B in sizes or len(folds) != 1:
+        return 1
     k = folds.pop()
-    return cap.fold_of(module, label, True, k * B, B)
+    return cap.fold_of(module, label, True, k * B, B, [args, kwargs])
 
 
 def _expanded_record(cap: Any, module: nn.Module, exp: expand.ExpandedCall, names: frozenset[str], label: str,

@@ -370,16 +370,22 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             m.training = flag
         stats["seconds"] += time.perf_counter() - t0
     stats["probes"] += 1
+    unverified = engine._capture.probe.unverified
     if findings is None or (findings and not broadcast and (
             engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
-        return  # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
+        # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
+        unverified[sig] = ("it was postponed: a sample of the batch had non-finite gradients" if not findings else
+                           f"its engine pass raised {findings[0].detail.splitlines()[0][:300]}")
+        return
     if findings:
         raise StructureError(_message(engine, findings, B, sig, random_ops, suspects, fell_back is False))
     if engine._capture.probe.inconclusive:
         engine._capture.owner_layouts.by_signature.pop(sig, None)
+        unverified[sig] = "every per-sample gradient of the batch was at rounding level"
         logger.info("structure probe inconclusive (batch %d): every per-sample gradient is at rounding level; the "
                     "signature is probed again at its next call", B)
         return
+    unverified.pop(sig, None)
     engine._capture.probe.seen.add(sig)
     engine._capture.owner_layouts.by_signature[sig] = engine._capture.probe.learned
     engine._capture.owner_layouts.start(sig)
@@ -603,7 +609,8 @@ def _apply_layouts(records: list[Any], learned: dict[tuple[int, int], layout.Own
         if lay is None:
             kept.append(rec)
             continue
-        dims = generic.capture_inputs(call.args, call.kwargs, B * call.fold, rec.module, shared=lay.shared_in)[2]
+        dims = generic.capture_inputs(call.args, call.kwargs, B, rec.module, shared=lay.shared_in,
+                                      fold=call.in_fold)[2]
         changed |= tree_flatten(dims)[0] != tree_flatten(call.in_dims)[0]
         call.in_dims = dims
         drop = [k for k, j in enumerate(call.leaf_index) if j in lay.shared_out]

@@ -12,6 +12,8 @@ refuses them (:class:`AmbiguousBatchError`) rather than guess, naming the shapes
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter
 from typing import Any
 
@@ -105,10 +107,47 @@ def unfold_rows(t: Any, fold: int) -> Any:
     return t
 
 
+def input_sizes(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> tuple[int, ...]:
+    """The non-batch sizes of a forward call's per-sample tensor inputs (leading size ``batch``), in order: what a
+    fold factor that follows the shapes is a product of (``T`` for ``x.reshape(-1, d)`` on ``(B, T, d)``, ``C`` for
+    a multiple-choice model's ``(B, C, T)`` ids)."""
+    return tuple(s for x in tree_flatten((args, kwargs))[0]
+                 if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == batch for s in x.shape[1:])
+
+
+#: a fold factor is matched against products of at most this many of the inputs' sizes
+_RULE_TERMS = 3
+
+
+def fold_rules(k: int, sizes: tuple[int, ...]) -> set[tuple[Any, ...]]:
+    """How a fold factor ``k`` seen with the inputs' ``sizes`` (:func:`input_sizes`) may follow the shapes: the
+    constant ``("const", k)``, and ``("dims", idx)`` for every product of up to three of ``sizes`` (by position)
+    that equals ``k``. A later call folds "the same way" if one of them gives its factor (:func:`fold_follows`):
+    padded lengths change ``T``, and ``reshape(-1, d)`` then folds ``T`` rows per sample."""
+    rules: set[tuple[Any, ...]] = {("const", k)}
+    sizes = sizes[:12]  # (bounded: a call with many inputs keeps the constant and the first inputs' sizes)
+    for n in range(1, _RULE_TERMS + 1):
+        for idx in itertools.combinations(range(len(sizes)), n):
+            if math.prod(sizes[i] for i in idx) == k:
+                rules.add(("dims", idx))
+    return rules
+
+
+def fold_follows(rules: set[tuple[Any, ...]], k: int, sizes: tuple[int, ...]) -> bool:
+    """Whether fold factor ``k`` with the inputs' ``sizes`` follows one of ``rules`` (:func:`fold_rules`)."""
+    for rule in rules:
+        if rule[0] == "const" and rule[1] == k:
+            return True
+        if rule[0] == "dims" and all(i < len(sizes) for i in rule[1]) and math.prod(sizes[i] for i in rule[1]) == k:
+            return True
+    return False
+
+
 def is_moe(type_names: list[str]) -> bool:
     """Whether a module or an ancestor is named like a mixture-of-experts part (``*MoE*``, ``*Expert*``,
     ``*Router*``): its rows are tokens routed across samples, never a fold of the batch."""
     return any(k in t.lower() for t in type_names for k in _MOE)
 
 
-__all__ = ["AmbiguousBatchError", "fold_factor", "infer_batch_size", "is_moe", "no_batch_message", "unfold_rows"]
+__all__ = ["AmbiguousBatchError", "fold_factor", "fold_follows", "fold_rules", "infer_batch_size", "input_sizes",
+           "is_moe", "no_batch_message", "unfold_rows"]

@@ -139,8 +139,11 @@ class GenericCall:
     #: the owner's call count in the model's forward pass (``k``: its ``k``-th call), keys its learned layout
     call_index: int = -1
     #: rows per sample when the call saw the batch folded into dimension 0 (:func:`fastdp.layers.batchdim.fold_factor`):
-    #: its batched inputs and outputs have ``fold * batch`` rows, and each sample is replayed on its ``fold`` rows
+    #: its hooked outputs have ``fold * batch`` rows, and so may its inputs (``in_fold``: inputs of ``in_fold * batch``
+    #: rows; an owner that pools each sample's folded rows into one has ``fold = 1``); each sample is replayed on its
+    #: rows (inputs of leading size ``batch`` on their one row)
     fold: int = 1
+    in_fold: int = 1
 
 
 def rng_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -165,17 +168,18 @@ def replayed_rng(state: Any) -> Iterator[None]:
 
 
 def capture_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, module: nn.Module | None = None,
-                   shared: frozenset[int] | tuple[int, ...] = ()) -> tuple[Any, Any, tuple[Any, Any]]:
-    """Detach the tensors of a forward call and mark which are batched (leading dimension ``batch``; an RNN's
-    initial state: second dimension). ``shared``: flat indices (``tree_flatten((args, kwargs))``) of tensors known
-    to be shared by the batch whatever their leading size (learned by the structure probe,
-    :mod:`fastdp.layers.layout`)."""
+                   shared: frozenset[int] | tuple[int, ...] = (), fold: int = 1) -> tuple[Any, Any, tuple[Any, Any]]:
+    """Detach the tensors of a forward call and mark which are batched (leading dimension ``batch``, or
+    ``fold * batch`` in a folded call; an RNN's initial state: second dimension). ``shared``: flat indices
+    (``tree_flatten((args, kwargs))``) of tensors known to be shared by the batch whatever their leading size
+    (learned by the structure probe, :mod:`fastdp.layers.layout`)."""
     def detach(x: Any) -> Any:
         return x.detach() if isinstance(x, torch.Tensor) else x
 
     args_d, kwargs_d = tree_map(detach, (tuple(args), dict(kwargs)))
     flat, spec = tree_flatten((args_d, kwargs_d))
-    dims = spec.unflatten([0 if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch
+    rows = {batch, batch * fold}
+    dims = spec.unflatten([0 if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] in rows
                            and j not in shared else None for j, x in enumerate(flat)])
     if isinstance(module, nn.RNNBase):
         dims = _rnn_state_dims(module, args_d, kwargs_d, dims, batch)
@@ -228,8 +232,8 @@ class GenericKind(LayerKind):
                      for g, o, d in zip(call.grads, call.outputs, out_dims, strict=True))
         arg_dims, kwarg_dims = call.in_dims
         args_b, kwargs_b = tree_map(lambda x: x, (call.args, call.kwargs))
-        args_b = _unsqueeze_batched(args_b, arg_dims, call.fold)
-        kwargs_b = _unsqueeze_batched(kwargs_b, kwarg_dims, call.fold)
+        args_b = _unsqueeze_batched(args_b, arg_dims, B, call.in_fold)
+        kwargs_b = _unsqueeze_batched(kwargs_b, kwarg_dims, B, call.in_fold)
         leaf_index = call.leaf_index
 
         def one(args_i: tuple[Any, ...], kwargs_i: dict[str, Any], cot_i: tuple[torch.Tensor, ...]) -> Any:
@@ -320,16 +324,16 @@ def _per_sample(t: torch.Tensor, d: int, fold: int) -> torch.Tensor:
     return t.movedim(d, 0).unsqueeze(d + 1)
 
 
-def _unsqueeze_batched(tree: Any, dims: Any, fold: int = 1) -> Any:
+def _unsqueeze_batched(tree: Any, dims: Any, batch: int = -1, fold: int = 1) -> Any:
     """Batched tensors ``(B, ...)`` become ``(B, 1, ...)`` (batch dimension ``d``: a 1 inserted after it), folded
-    ones ``(k B, ...)`` become ``(B, k, ...)`` (:func:`_per_sample`): vmap then hands each sample a batch of one (of
-    its ``k`` rows)."""
+    ones ``(k B, ...)`` (``fold = k``) become ``(B, k, ...)``: vmap then hands each sample a batch of one (of its
+    ``k`` rows)."""
     flat, spec = tree_flatten(tree)
     flat_dims = tree_flatten(dims)[0] if dims is not None else [None] * len(flat)
     if len(flat_dims) != len(flat):  # dims is a prefix (None for a whole subtree)
         flat_dims = [None] * len(flat)
-    out = [x if d is None else x.unflatten(0, (x.shape[0] // fold, fold)) if fold > 1 else x.unsqueeze(d + 1)
-           for x, d in zip(flat, flat_dims, strict=True)]
+    out = [x if d is None else x.unflatten(0, (batch, fold)) if fold > 1 and d == 0 and x.shape[0] == batch * fold
+           else x.unsqueeze(d + 1) for x, d in zip(flat, flat_dims, strict=True)]
     return spec.unflatten(out)
 
 
