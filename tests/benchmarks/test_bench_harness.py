@@ -213,6 +213,7 @@ QUICK = {  # (extra arguments, what a row must hold) per preset; Opacus is left 
     "probe-cost": ([], "probe_s"),
     "noise": ([], "times_s"),
     "slack": (["--models", "gpt2"], "flops"),
+    "folded": ([], "times_s"),
 }
 
 
