@@ -97,7 +97,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("folded", "steps", "a model whose layers see the batch folded into dimension 0 (HF OPT: its MLP and final "
            "norms see (B*T, d)) against GPT-2 of the same width: the default mode, and without the guard against "
            "rows chosen by the data (fastdp.layers.fold_guard)",
-           ("non-private", D, f"{D}, no fold guard"), (("opt", (64,), 32, "cpu"), ("gpt2", (64,), 32, "cpu")),
+           ("non-private", D, f"{D}, no fold guard"),
+           (("opt", (64,), 32, "cpu"), ("gpt2", (64,), 32, "cpu"), ("opt", (64,), 32, "tiny")),
            reps=11, warmup=2, memory=False),
     Preset("noise", "noise", "secure-mode noise (secure_gaussian) against the engine's normal noise",
            ("gaussian_noise", "secure_gaussian"), base="gaussian_noise", reps=7, warmup=1, memory=False,

@@ -374,8 +374,9 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     if findings is None or (findings and not broadcast and (
             engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
         # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
-        unverified[sig] = ("it was postponed: a sample of the batch had non-finite gradients" if not findings else
-                           f"its engine pass raised {findings[0].detail.splitlines()[0][:300]}")
+        first = ((findings[0].detail or findings[0].check).splitlines() or [""])[0][:300] if findings else ""
+        unverified[sig] = (f"its engine pass raised {first}" if first else
+                           "it was postponed: a sample of the batch had non-finite gradients, or the model raised")
         return
     if findings:
         raise StructureError(_message(engine, findings, B, sig, random_ops, suspects, fell_back is False))
