@@ -461,6 +461,18 @@ def test_guard_marks_rows_chosen_by_derived_values():
     assert _chosen(lambda x, m: torch.masked_select(x, m.unsqueeze(-1)), x, mask)
     assert _chosen(lambda x, m: torch.cat([x[0, :1], x[1, :3]]), x, mask)  # pieces cut per sample, unequal
     assert _chosen(lambda x, i: torch.zeros(3, 4, 2).index_copy(0, i, x), x, idx)
+    flat = torch.randn(6, 2)
+    rows = torch.tensor([[5], [0], [3]])
+    assert _chosen(lambda f, r: torch.take_along_dim(f, r, 0), flat, rows)  # (dim is its third argument)
+    assert _chosen(lambda f, r: torch.take_along_dim(f, r, dim=0), flat, rows)
+    assert _chosen(lambda f, i: torch.nn.functional.embedding(i, f), flat, idx)  # activations as the table
+    assert _chosen(lambda f, i: torch.zeros(3, 2).index_put((i,), f[:3]), flat, idx)
+
+    def written(x, m):  # indices written into a buffer first
+        buf = torch.zeros(2, dtype=torch.long)
+        buf[:] = m.nonzero()[:2, 0]
+        return x[buf]
+    assert _chosen(written, x, mask)
 
 
 def test_guard_leaves_shape_operations_and_constant_indices_alone():
@@ -473,6 +485,12 @@ def test_guard_leaves_shape_operations_and_constant_indices_alone():
     assert not _chosen(lambda x: x[:, torch.tensor([1, 3])], x)  # the same positions of every sample
     assert not _chosen(lambda x: x.sort(dim=-1).values, x)
     assert not _chosen(lambda x: torch.stack(x.unbind(0)), x)
+    pos = torch.tensor([[0, 1, 2, 3]] * 3)  # positions derived from the inputs (as from a mask's cumsum)
+    assert not _chosen(lambda x, p: x + table[p], x, pos)  # a parameter table read there: a lookup
+    assert not _chosen(lambda x, p: x + table.index_select(0, p.flatten()).view(3, 4, 2), x, pos)
+    assert not _chosen(lambda x: torch.cat([x.new_ones(1, 4, 2), x.new_ones(2, 4, 2)]) * x, x)  # new tensors
+    lengths = torch.tensor([3, 1, 2])
+    assert not _chosen(lambda x, n: x * n.sort(descending=True).values[0], x, lengths)  # a 1-D sort
 
 
 def test_fold_rules_follow_the_inputs_sizes():
