@@ -356,7 +356,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                             "(on_nonfinite=%r); the signature is probed again at its next call",
                             engine.clip_config.on_nonfinite)
                 findings = None
-            elif findings and broadcast:
+            elif findings and (broadcast or engine_failed):
                 fell_back = _fallback(engine, model, args, kwargs, B)
                 if fell_back:
                     findings = []
@@ -432,9 +432,10 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
         add_suspects()
         if findings == []:
             culprits = sorted(level)
-            logger.warning("structure probe: outputs of %s could not be attributed to samples as they are (broadcast "
-                           "or without batch dimension); their parameters are now replayed per sample by %s (exact, "
-                           "slower)", culprits, sorted({level[c] or "<root>" for c in culprits}))
+            logger.warning("structure probe: the parameters of %s could not be attributed to samples where they are "
+                           "(a broadcast output, an output without batch dimension, or a parameter read outside its "
+                           "module's call); they are now replayed per sample by %s (exact, slower)", culprits,
+                           sorted({level[c] or "<root>" for c in culprits}))
             if "" in engine._extra_owned:  # the root became an owner: its pre-hooks must run for this call too
                 for fn, with_kwargs in engine._capture.root_hook_fns:
                     fn(model, args, kwargs) if with_kwargs else fn(model, args)

@@ -38,13 +38,27 @@ class OutsideUse(nn.Module):
         return F.linear(self.lin(x), self.lin.weight)
 
 
-def test_weight_used_outside_its_module_is_refused_at_backward():
+def test_weight_used_outside_its_module_is_refused_at_backward_without_the_probe():
     model = OutsideUse().to(D)
-    engine, opt = _attached(model)
+    engine, opt = _attached(model, verify_structure=False)
     loss = model(torch.randn(4, 3, dtype=D)).sum()
     with pytest.raises(RuntimeError, match="lin.weight"):
         loss.backward()
     engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate"])
+def test_weight_used_outside_its_module_is_exact_through_the_probes_fallback(mode):
+    """With the structure probe (the default), a weight read outside its module's call is given to the nearest
+    ancestor whose per-sample replay covers both uses (here the root): exact against the oracle. (HF's hybrid
+    linear-attention and Mamba layers read their causal convolution's weight this way.)"""
+    from model_oracle import check_engine, mse_loss
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [((torch.randn(n, 3, dtype=D, generator=g),), torch.randn(n, 3, dtype=D, generator=g)) for n in (3, 1)]
+    engine, *_ = check_engine(OutsideUse().to(D), mse_loss, batches, mode=mode)
+    assert engine._extra_owned  # moved to an ancestor
 
 
 def test_second_backward_through_one_graph_is_refused():

@@ -253,6 +253,15 @@ def mc_batches(sizes, seed):
     return out
 
 
+def mamba():
+    """HF Mamba: its mixer reads its causal convolution's weight directly (``F.conv1d(x, self.conv1d.weight)``), a
+    use outside the ``nn.Conv1d``'s call; the structure probe gives that weight to the mixer (the generic path),
+    which owns ``A_log``, ``D`` and replays the selective scan per sample."""
+    tf = _tf()
+    return tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=HID, state_size=5, num_hidden_layers=2,
+                                              expand=2, conv_kernel=4, time_step_rank=4, use_cache=False))
+
+
 def timm_mobilenetv3():
     from timm.models._efficientnet_blocks import SqueezeExcite
     from timm.models._efficientnet_builder import decode_arch_def, round_channels
@@ -373,6 +382,7 @@ FAMILIES = {
                                        partial(images, hw=16), cls_loss, 7, 8, "channels, 8x8 after the stem"),
     "efficientnet-validate-fix": Family(_hf(timm_efficientnet, prep=bn_fixed), partial(images, hw=16), cls_loss, 7,
                                         8, "channels, 8x8 after the stem"),
+    "mamba": Family(_hf(mamba, LMWrap), _lm, causal_loss, 3, T_LM, "T", F32),
     # the batch folded into dimension 0 (fastdp.layers.batchdim.fold_factor)
     "swin": Family(_hf(hf_swin, ImageCls), partial(images, hw=16), cls_loss, 7, 4,
                    "windows per image (and window size, patch size)"),
