@@ -136,13 +136,31 @@ class SmallCNN(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+class Folded(nn.Module):
+    """Embedding, then the positions folded into the rows before a Linear and a LayerNorm (``x.reshape(-1, d)``, as
+    OPT's decoder layers): ids (B, 7) -> (B, 3). Each rank's probe verifies its own fold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.fc = nn.Linear(6, 5)
+        self.norm = nn.LayerNorm(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        h = torch.tanh(self.norm(self.fc(self.emb(ids).reshape(-1, 6))))
+        return self.head(h.view(B, T, 5).mean(1))
+
+
 def _gpt2() -> nn.Module:
     from model_oracle import LMWrap, gpt2
 
     return LMWrap(gpt2())
 
 
-BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many, "cnn": SmallCNN}
+BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many, "cnn": SmallCNN,
+            "folded": Folded}
 
 
 def build(kind: str, seed: int) -> nn.Module:
@@ -161,13 +179,14 @@ def mse_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (out - y).pow(2).flatten(1).sum(1)
 
 
-LOSSES = {"mixed": cls_loss, "vit": cls_loss, "tied": lm_loss, "big": mse_loss, "gpt2": lm_loss, "cnn": cls_loss}
+LOSSES = {"mixed": cls_loss, "vit": cls_loss, "tied": lm_loss, "big": mse_loss, "gpt2": lm_loss, "cnn": cls_loss,
+          "folded": cls_loss}
 
 
 def make_batch(kind: str, n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """One physical batch of ``n`` samples ``((x,), y)`` for model ``kind``."""
     g = torch.Generator().manual_seed(seed)
-    if kind == "mixed":
+    if kind in ("mixed", "folded"):
         return (torch.randint(0, 11, (n, 7), generator=g),), torch.randint(0, 3, (n,), generator=g)
     if kind == "vit":
         return (torch.randn(n, 4, 5, generator=g, dtype=D),), torch.randint(0, 3, (n,), generator=g)
