@@ -33,9 +33,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import capture_generic, deferred, empty_batch, hf_guard, loss_check, loss_trace, probe, session
+from fastdp import (
+    capture_fold,
+    capture_generic,
+    deferred,
+    empty_batch,
+    hf_guard,
+    loss_check,
+    loss_trace,
+    probe,
+    session,
+)
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
-from fastdp.layers import batchdim, checkpointing, expand, fold_guard, generic, layout
+from fastdp.layers import batchdim, checkpointing, expand, generic, layout
 from fastdp.layers.base import LayerKind, clipping_precision
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry
@@ -56,7 +66,7 @@ class RootFrame:
     loss_sig: Any = None  # the input signature, when the loss check (fastdp.loss_check) reads this call's outputs
     trace_sig: Any = None  # the input signature, when the loss trace (fastdp.loss_trace) follows this call's outputs
     sig: Any = None  # the input signature (computed when the call records: batch size >= 1, autograd on)
-    last_fold: int = 1  # the fold factor of the latest per-sample hooked call (Capture.note_rows)
+    last_fold: int = 1  # the fold factor of the latest per-sample hooked call (capture_fold.note_rows)
     sizes: tuple[int, ...] = ()  # the non-batch sizes of the per-sample inputs (batchdim.input_sizes)
     #: the rows-chosen-by-the-data guard (fastdp.layers.fold_guard), active during the call when its signature's
     #: probe saw a fold, and during the probe's engine pass
@@ -144,6 +154,7 @@ class Capture:
         self.trace = loss_trace.LossTrace(every=getattr(engine, "verify_loss", True) == "strict")
         #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
         self.owner_layouts = layout.OwnerLayouts()
+        self.moe_of: dict[int, list[str] | None] = {}  # id(module) -> its type chain when a MoE part (capture_fold)
         self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)
         self._handles: list[Any] = []
         #: the Hugging Face labels= guards (fastdp.hf_guard): independent of the plan, so kept across the replans of
@@ -323,7 +334,8 @@ class Capture:
         if B is not None and B >= 2:
             frame.sizes = batchdim.input_sizes(args, kwargs, B)
             if self.probe.running and not self.probe.reference and torch.is_grad_enabled():
-                self._guard(frame, args, kwargs)  # the probe's engine pass: folds are checked as in the real pass
+                # the probe's engine pass: folds are checked as in the real pass
+                capture_fold.enter_guard(frame, args, kwargs)
         if (B is None or B < 1 or len(self.roots) != 1 or self.inert or self.paused or self.probe.running
                 or not torch.is_grad_enabled()):
             return replaced
@@ -335,15 +347,9 @@ class Capture:
             frame.loss_sig = sig if self.loss.take(sig) else None
             frame.trace_sig = sig if self.trace.take(sig) and not run_by_torch_compile() else None
         if B >= 2 and self.engine.verify_structure and (self.probe.folds.get(sig) or sig not in self.probe.seen):
-            self._guard(frame, args, kwargs)  # (an unverified signature: a fold is refused, and why is said first)
+            # (an unverified signature: a fold is refused, and why is said first)
+            capture_fold.enter_guard(frame, args, kwargs)
         return replaced
-
-    @staticmethod
-    def _guard(frame: RootFrame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Enter the rows-chosen-by-the-data guard for this forward call (left in :meth:`_root_post`)."""
-        frame.guard = fold_guard.RowGuard()
-        frame.guard.start(args, kwargs)
-        frame.guard.__enter__()
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """End of a forward call of the model (also when it raised: the hook is ``always_call``)."""
@@ -408,12 +414,13 @@ class Capture:
             # it, so the gradient arrives per sample instead of summed over the batch; to the rows of the latest
             # per-sample call when that one saw the batch folded (a multiple-choice model's position table, added
             # to (B C, T, d) embeddings), which the structure probe verifies like any fold
-            rows = B * self.broadcast_fold()
-            fold = self.fold_of(module, label, kind.foldable, rows, B, args)
+            rows = B * capture_fold.broadcast_fold(self)
+            fold = capture_fold.fold_of(self, module, label, kind.foldable, rows, B, args)
             out = out.expand(rows, *out.shape[1:])
         else:
-            fold = 1 if out.dim() == 0 else self.fold_of(module, label, kind.foldable, out.shape[0], B, args)
-            self.note_rows(out.shape[0] if out.dim() else None, fold, B)
+            fold = 1 if out.dim() == 0 else capture_fold.fold_of(self, module, label, kind.foldable, out.shape[0], B,
+                                                                 args)
+            capture_fold.note_rows(self, out.shape[0] if out.dim() else None, fold, B)
         activation = None
         if needs_act:
             inputs = args if args else tuple(kwargs.values())
@@ -429,79 +436,6 @@ class Capture:
         out = self.hook_output(out, rec, 0)
         self.pending.append(rec)
         return out if out is not output else None
-
-    def note_rows(self, rows: int | None, fold: int, B: int | None) -> None:
-        """A hooked call had ``rows`` output rows: its fold factor is what a broadcast output is expanded to next
-        (:meth:`broadcast_fold`), if the rows are per sample (``B`` or a fold of it)."""
-        if self.roots and B is not None and rows in (B, B * fold):
-            self.roots[-1].last_fold = fold
-
-    def broadcast_fold(self) -> int:
-        """The fold factor of the latest per-sample hooked call of this forward call (1: none, or unfolded)."""
-        return self.roots[-1].last_fold if self.roots else 1
-
-    def fold_of(self, module: nn.Module, label: str, foldable: bool, rows: int, B: int | None,
-                inputs: Any = ()) -> int:
-        """The fold factor ``k`` of a hooked call with ``rows`` output rows (``k B``: the batch folded into
-        dimension 0, :func:`fastdp.layers.batchdim.fold_factor`), 1 if none. ``foldable``: the layer kind's
-        :attr:`~fastdp.layers.base.LayerKind.foldable` (a generic owner: True, its replay takes a sample's ``k``
-        rows as its batch); ``inputs``: the call's inputs. Refused (``RuntimeError``, nothing recorded): a fold
-        before a mixture-of-experts part or a channel-first kind, a fold without the structure probe or before it
-        verified the signature, a fold of rows chosen by the data (:mod:`fastdp.layers.fold_guard`), and a fold
-        factor that follows the inputs' shapes in none of the ways the probe saw (:func:`batchdim.fold_rules`)."""
-        k = batchdim.fold_factor(rows, B)
-        if k == 1:
-            return 1
-        parts = label.split(".") if label != "<root>" else []
-        model = self.engine.model
-        chain = [type(model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts), -1, -1)]
-        head = f"the batch axis is folded into dimension 0 (size {rows} = {k} * {B}) before module {label!r} " \
-            f"({type(module).__name__})"
-        if batchdim.is_moe(chain):
-            raise RuntimeError(batchdim.no_batch_message(label, chain, [torch.empty(rows, 0)], B))
-        if not foldable:
-            raise RuntimeError(
-                f"{head}, a channel-first layer: fastdp unfolds such rows for layers whose middle dimensions are "
-                "positions (Linear, Embedding, LayerNorm, RMSNorm, HF Conv1D), not for convolutions or channel "
-                "norms. Keep the batch dimension first in the model's forward, or freeze the module's parameters.")
-        if B is None or B < 2:  # a batch of one: every row is its sample's
-            return k
-        if not self.engine.verify_structure:
-            raise RuntimeError(
-                f"{head}. fastdp takes row r as sample r // {k}'s (the order x.reshape(-1, d) gives), which only the "
-                "structure probe verifies, and it is off (PrivacyEngine(verify_structure=False)). Turn it on, or "
-                "keep the batch dimension first in the model's forward.")
-        guard = next((f.guard for f in reversed(self.roots) if f.guard is not None), None)
-        if guard is not None and guard.row_chosen(inputs):
-            raise RuntimeError(
-                f"{head}, but its rows were chosen by the data (selected, gathered, sorted or scattered at indices "
-                "computed from the inputs, e.g. h[mask] to drop padding): each sample may own a different number "
-                "of them, so they cannot be taken as k rows per sample. Keep the padded (B, T, ...) layout (mask "
-                "the padding instead of dropping it), or freeze the module's parameters. Nothing of this call was "
-                "recorded.")
-        frame = self.roots[-1] if self.roots else None
-        if self.probe.running:
-            if frame is not None:
-                self.probe.folds.setdefault(self.probe.sig, {}).setdefault(id(module), set()).update(
-                    batchdim.fold_rules(k, frame.sizes))
-            return k
-        sig = self.roots[0].sig if self.roots else None
-        if sig not in self.probe.seen:
-            why = self.probe.unverified.get(sig, "it did not run" if self.engine.verify_structure else "it is off")
-            raise RuntimeError(
-                f"{head}. The structure probe has not verified this input signature ({why}), and rows are taken as "
-                "sample r // k's only where it did. Nothing of this call was recorded.")
-        rules = self.probe.folds.get(sig, {}).get(id(module), set())
-        if not batchdim.fold_follows(rules, k, self.roots[0].sizes):
-            seen = sorted(r[1] for r in rules if r[0] == "const")
-            raise RuntimeError(
-                f"{head}, but the structure probe saw {'fold factors ' + str(seen) if seen else 'no fold'} there "
-                f"for this input signature, and {k} is neither one of them nor the same product of the inputs' "
-                f"sizes {list(self.roots[0].sizes)}: its rows depend on something other than the batch's shape (tokens "
-                "routed or selected by the data) and cannot be attributed to samples. Freeze the module's "
-                "parameters, or keep the batch dimension first in the model's forward. Nothing of this call was "
-                "recorded.")
-        return k
 
     # ------------------------------------------------------------------ backward
     def on_output_grad(self, rec: Record, k: int, grad: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdp import capture_fold
 from fastdp.layers import batchdim, expand, generic
 from fastdp.layers.base import autocast_state
 from fastdp.plan import Plan, PlanEntry
@@ -113,7 +114,7 @@ def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dic
     fold, in_fold = _fold(cap, module, label, leaves, declared, B, lay, args, kwargs)
     rows = None if B is None else B * fold  # the leading size of the call's per-sample tensors
     if rows is not None:
-        cap.note_rows(rows if any(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == rows
+        capture_fold.note_rows(cap, rows if any(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == rows
                                   for x in leaves) else None, fold, B)
     out_dims: list[int] = []
     for j, leaf in enumerate(leaves):
@@ -177,7 +178,7 @@ def _fold(cap: Any, module: nn.Module, label: str, leaves: list[Any], declared: 
     """The fold factors of a generic owner's call (:func:`fastdp.layers.batchdim.fold_factor`), of its outputs and
     of its inputs: ``(k, k)`` when none of its floating outputs has leading size ``B`` and those with a multiple of
     it all have ``k B``; ``(1, k)`` when its outputs have ``B`` rows and its inputs ``k B`` (:func:`_input_fold`);
-    else ``(1, 1)``. The checks of a fold are the layer kinds' (:meth:`fastdp.capture.Capture.fold_of`)."""
+    else ``(1, 1)``. The checks of a fold are the layer kinds' (:func:`fastdp.capture_fold.fold_of`)."""
     if B is None or isinstance(module, nn.RNNBase) or any(d is not None for d in declared):
         return 1, 1
     sizes = {leaf.shape[0] for j, leaf in enumerate(leaves)
@@ -189,10 +190,10 @@ def _fold(cap: Any, module: nn.Module, label: str, leaves: list[Any], declared: 
     if B in sizes or len(folds) > 1:
         return 1, 1
     if not folds:  # broadcast outputs only (a relative position bias): the latest per-sample call's rows
-        k = cap.broadcast_fold() if B > 1 and sizes == {1} else 1
+        k = capture_fold.broadcast_fold(cap) if B > 1 and sizes == {1} else 1
     else:
         k = folds.pop()
-    k = 1 if k == 1 else cap.fold_of(module, label, True, k * B, B, [args, kwargs])
+    k = 1 if k == 1 else capture_fold.fold_of(cap, module, label, True, k * B, B, [args, kwargs])
     return k, k
 
 
@@ -210,7 +211,7 @@ def _input_fold(cap: Any, module: nn.Module, label: str, B: int, lay: Any, args:
     if B in sizes or len(folds) != 1:
         return 1
     k = folds.pop()
-    return cap.fold_of(module, label, True, k * B, B, [args, kwargs])
+    return capture_fold.fold_of(cap, module, label, True, k * B, B, [args, kwargs])
 
 
 def _expanded_record(cap: Any, module: nn.Module, exp: expand.ExpandedCall, names: frozenset[str], label: str,

@@ -26,7 +26,7 @@ follows two properties of tensors:
   pieces of different leading sizes (pieces cut per sample at lengths read from the data). A table that is not
   derived (a parameter) read at derived indices is a lookup, as an embedding is: its rows follow the index's rows.
 
-:meth:`fastdp.capture.Capture.fold_of` refuses a folded call whose input is row-chosen.
+:func:`fastdp.capture_fold.fold_of` refuses a folded call whose input is row-chosen.
 
 **Not seen** (a deny-list, not a proof; a red-team pass found these and they stay open): rows chosen through the
 host (indices or lengths read with ``.item()``/``.tolist()``/``.numpy()`` and used as Python numbers: a loop over

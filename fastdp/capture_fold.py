@@ -1,0 +1,110 @@
+"""The batch folded into dimension 0: which hooked calls see ``k B`` rows, and whether the engine may take row ``r``
+as sample ``r // k``'s (:func:`fastdp.layers.batchdim.fold_factor`; docs/internals/structure-probe.md, "The batch
+folded into dimension 0").
+
+Part of the capture stage (:mod:`fastdp.capture`): its layer hook and the generic owners' hook
+(:mod:`fastdp.capture_generic`) ask :func:`fold_of` for every call, :func:`note_rows` remembers the fold of the
+latest per-sample call (a broadcast output is expanded to its rows, :func:`broadcast_fold`), and
+:func:`enter_guard` starts the rows-chosen-by-the-data guard (:mod:`fastdp.layers.fold_guard`) for a forward call.
+A fold is accepted only where the structure probe (:mod:`fastdp.probe`) verified it, per input signature; the probe's
+engine pass records how the factors it saw follow the inputs' sizes (:func:`fastdp.layers.batchdim.fold_rules`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdp.layers import batchdim, fold_guard
+
+
+def enter_guard(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Enter the rows-chosen-by-the-data guard for the forward call of ``frame`` (a
+    :class:`fastdp.capture.RootFrame`; left in :meth:`fastdp.capture.Capture._root_post`)."""
+    frame.guard = fold_guard.RowGuard()
+    frame.guard.start(args, kwargs)
+    frame.guard.__enter__()
+
+
+def note_rows(cap: Any, rows: int | None, fold: int, B: int | None) -> None:
+    """A hooked call had ``rows`` output rows: its fold factor is what a broadcast output is expanded to next
+    (:func:`broadcast_fold`), if the rows are per sample (``B`` or a fold of it)."""
+    if cap.roots and B is not None and rows in (B, B * fold):
+        cap.roots[-1].last_fold = fold
+
+
+def broadcast_fold(cap: Any) -> int:
+    """The fold factor of the latest per-sample hooked call of this forward call (1: none, or unfolded)."""
+    return cap.roots[-1].last_fold if cap.roots else 1
+
+
+def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, B: int | None,
+            inputs: Any = ()) -> int:
+    """The fold factor ``k`` of a hooked call with ``rows`` output rows (``k B``: the batch folded into
+    dimension 0, :func:`fastdp.layers.batchdim.fold_factor`), 1 if none. ``foldable``: the layer kind's
+    :attr:`~fastdp.layers.base.LayerKind.foldable` (a generic owner: True, its replay takes a sample's ``k``
+    rows as its batch); ``inputs``: the call's inputs. Refused (``RuntimeError``, nothing recorded): a fold
+    before a mixture-of-experts part or a channel-first kind, a fold without the structure probe or before it
+    verified the signature, a fold of rows chosen by the data (:mod:`fastdp.layers.fold_guard`), and a fold
+    factor that follows the inputs' shapes in none of the ways the probe saw (:func:`batchdim.fold_rules`)."""
+    k = batchdim.fold_factor(rows, B)
+    if k == 1:
+        return 1
+    if id(module) not in cap.moe_of:  # (once per module: the type names of it and its ancestors)
+        parts = label.split(".") if label != "<root>" else []
+        model = cap.engine.model
+        chain = [type(model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts), -1, -1)]
+        cap.moe_of[id(module)] = chain if batchdim.is_moe(chain) else None
+    chain = cap.moe_of[id(module)]
+    head = f"the batch axis is folded into dimension 0 (size {rows} = {k} * {B}) before module {label!r} " \
+        f"({type(module).__name__})"
+    if chain is not None:
+        raise RuntimeError(batchdim.no_batch_message(label, chain, [torch.empty(rows, 0)], B))
+    if not foldable:
+        raise RuntimeError(
+            f"{head}, a channel-first layer: fastdp unfolds such rows for layers whose middle dimensions are "
+            "positions (Linear, Embedding, LayerNorm, RMSNorm, HF Conv1D), not for convolutions or channel "
+            "norms. Keep the batch dimension first in the model's forward, or freeze the module's parameters.")
+    if B is None or B < 2:  # a batch of one: every row is its sample's
+        return k
+    if not cap.engine.verify_structure:
+        raise RuntimeError(
+            f"{head}. fastdp takes row r as sample r // {k}'s (the order x.reshape(-1, d) gives), which only the "
+            "structure probe verifies, and it is off (PrivacyEngine(verify_structure=False)). Turn it on, or "
+            "keep the batch dimension first in the model's forward.")
+    guard = next((f.guard for f in reversed(cap.roots) if f.guard is not None), None)
+    if guard is not None and guard.row_chosen(inputs):
+        raise RuntimeError(
+            f"{head}, but its rows were chosen by the data (selected, gathered, sorted or scattered at indices "
+            "computed from the inputs, e.g. h[mask] to drop padding): each sample may own a different number "
+            "of them, so they cannot be taken as k rows per sample. Keep the padded (B, T, ...) layout (mask "
+            "the padding instead of dropping it), or freeze the module's parameters. Nothing of this call was "
+            "recorded.")
+    frame = cap.roots[-1] if cap.roots else None
+    if cap.probe.running:
+        if frame is not None:
+            cap.probe.folds.setdefault(cap.probe.sig, {}).setdefault(id(module), set()).update(
+                batchdim.fold_rules(k, frame.sizes))
+        return k
+    sig = cap.roots[0].sig if cap.roots else None
+    if sig not in cap.probe.seen:
+        why = cap.probe.unverified.get(sig, "it did not run" if cap.engine.verify_structure else "it is off")
+        raise RuntimeError(
+            f"{head}. The structure probe has not verified this input signature ({why}), and rows are taken as "
+            "sample r // k's only where it did. Nothing of this call was recorded.")
+    rules = cap.probe.folds.get(sig, {}).get(id(module), set())
+    if not batchdim.fold_follows(rules, k, cap.roots[0].sizes):
+        seen = sorted(r[1] for r in rules if r[0] == "const")
+        raise RuntimeError(
+            f"{head}, but the structure probe saw {'fold factors ' + str(seen) if seen else 'no fold'} there "
+            f"for this input signature, and {k} is neither one of them nor the same product of the inputs' "
+            f"sizes {list(cap.roots[0].sizes)}: its rows depend on something other than the batch's shape (tokens "
+            "routed or selected by the data) and cannot be attributed to samples. Freeze the module's "
+            "parameters, or keep the batch dimension first in the model's forward. Nothing of this call was "
+            "recorded.")
+    return k
+
+
+__all__ = ["broadcast_fold", "enter_guard", "fold_of", "note_rows"]
