@@ -241,6 +241,32 @@ def _multiple_choice(make):
     return build
 
 
+class DoubleHeads(nn.Module):
+    """HF ``GPT2DoubleHeadsModel`` -> its multiple-choice logits ``(B, C)``: each choice's hidden state read at its
+    ``mc_token_ids`` position (a gather after the fold) and scored."""
+
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids, tok):
+        return self.m(input_ids=ids, mc_token_ids=tok).mc_logits
+
+
+def gpt2_double_heads():
+    tf = _tf()
+    return tf.GPT2DoubleHeadsModel(tf.GPT2Config(vocab_size=V, n_embd=HID, n_layer=2, n_head=2, n_positions=16,
+                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                 summary_first_dropout=0.0, attn_implementation="eager"))
+
+
+def double_heads_batches(sizes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randint(2, V, (n, CHOICES, T_CLS), generator=g),
+              torch.randint(1, T_CLS, (n, CHOICES), generator=g)), torch.randint(0, CHOICES, (n,), generator=g))
+            for n in sizes]
+
+
 def mc_batches(sizes, seed):
     """``CHOICES`` answers of ``T_CLS`` tokens per sample (right padding of 0-2 tokens per answer), the label the
     right answer."""
@@ -392,6 +418,8 @@ FAMILIES = {
                                    "choices (the fold factor)"),
     "roberta-multiple-choice": Family(_hf(_multiple_choice(roberta), ClsWrap), mc_batches, cls_loss, 7, CHOICES,
                                       "choices (the fold factor)"),
+    "gpt2-double-heads": Family(_hf(gpt2_double_heads, DoubleHeads), double_heads_batches, cls_loss, 7, CHOICES,
+                                "choices (the fold factor)"),
 }
 TIMM = {"convnext", "mobilenetv3", "efficientnet", "mobilenetv3-bn-trainable", "efficientnet-validate-fix",
         "swin-timm"}
