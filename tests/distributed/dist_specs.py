@@ -153,6 +153,22 @@ class Folded(nn.Module):
         return self.head(h.view(B, T, 5).mean(1))
 
 
+class OutsideUse(nn.Module):
+    """A Linear's weight also read by its parent with ``F.linear`` (outside the Linear's call, as HF Mamba's mixer reads
+    its convolution's weight): ids (B, 7) -> (B, 3). Each rank's structure probe gives the weight to the root's
+    per-sample replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.lin = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.emb(ids)).mean(1)
+        return self.head(torch.tanh(F.linear(self.lin(h), self.lin.weight)))
+
+
 def _gpt2() -> nn.Module:
     from model_oracle import LMWrap, gpt2
 
@@ -160,7 +176,7 @@ def _gpt2() -> nn.Module:
 
 
 BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many, "cnn": SmallCNN,
-            "folded": Folded}
+            "folded": Folded, "outside": OutsideUse}
 
 
 def build(kind: str, seed: int) -> nn.Module:
@@ -180,13 +196,13 @@ def mse_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 LOSSES = {"mixed": cls_loss, "vit": cls_loss, "tied": lm_loss, "big": mse_loss, "gpt2": lm_loss, "cnn": cls_loss,
-          "folded": cls_loss}
+          "folded": cls_loss, "outside": cls_loss}
 
 
 def make_batch(kind: str, n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """One physical batch of ``n`` samples ``((x,), y)`` for model ``kind``."""
     g = torch.Generator().manual_seed(seed)
-    if kind in ("mixed", "folded"):
+    if kind in ("mixed", "folded", "outside"):
         return (torch.randint(0, 11, (n, 7), generator=g),), torch.randint(0, 3, (n,), generator=g)
     if kind == "vit":
         return (torch.randn(n, 4, 5, generator=g, dtype=D),), torch.randint(0, 3, (n,), generator=g)
