@@ -51,11 +51,14 @@ class NoRowGuard:
     """The rows-chosen-by-the-data guard (``fastdp.layers.fold_guard.RowGuard``) replaced by nothing, for the A/B
     variant ``no fold guard``: no mode entered, no row taken as chosen."""
 
-    def start(self, args: object, kwargs: object) -> None:
+    def start(self, args: object, kwargs: object, batch: int | None = None) -> None:
         return None
 
     def row_chosen(self, tree: object) -> bool:
         return False
+
+    def unowned(self, tree: object, rows: int, fold: int) -> str | None:
+        return None
 
     def __enter__(self) -> NoRowGuard:
         return self

@@ -69,7 +69,7 @@ class RootFrame:
     last_fold: int = 1  # the fold factor of the latest per-sample hooked call (capture_fold.note_rows)
     sizes: tuple[int, ...] = ()  # the non-batch sizes of the per-sample inputs (batchdim.input_sizes)
     #: the rows-chosen-by-the-data guard (fastdp.layers.fold_guard), active during the call when its signature's
-    #: probe saw a fold, and during the probe's engine pass
+    #: probe saw a fold or rows chosen by the data, or did not verify it, and during the probe's engine pass
     guard: Any = None
 
 
@@ -111,6 +111,9 @@ class ProbeState:
     folds: dict[Any, dict[int, set[tuple[Any, ...]]]] = field(default_factory=dict)
     #: input signature -> why its last probe did not verify it (postponed, inconclusive, its engine pass raised)
     unverified: dict[Any, str] = field(default_factory=dict)
+    #: input signatures whose probe's engine pass saw a hooked call of rows chosen by the data: the guard
+    #: (fastdp.layers.fold_guard) runs at their later calls, to check each call's rows (fastdp.capture_fold)
+    chooses: set[Any] = field(default_factory=set)
 
 
 #: why a model run under ``torch.compile`` is refused, and what to do (docs/guide/integrations.md#torchcompile)
@@ -346,7 +349,8 @@ class Capture:
         if self.engine.verify_loss and B >= 2:
             frame.loss_sig = sig if self.loss.take(sig) else None
             frame.trace_sig = sig if self.trace.take(sig) and not run_by_torch_compile() else None
-        if B >= 2 and self.engine.verify_structure and (self.probe.folds.get(sig) or sig not in self.probe.seen):
+        if B >= 2 and self.engine.verify_structure and (self.probe.folds.get(sig) or sig in self.probe.chooses
+                                                        or sig not in self.probe.seen):
             # (an unverified signature: a fold is refused, and why is said first)
             capture_fold.enter_guard(frame, args, kwargs)
         return replaced

@@ -24,7 +24,7 @@ def enter_guard(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
     """Enter the rows-chosen-by-the-data guard for the forward call of ``frame`` (a
     :class:`fastdp.capture.RootFrame`; left in :meth:`fastdp.capture.Capture._root_post`)."""
     frame.guard = fold_guard.RowGuard()
-    frame.guard.start(args, kwargs)
+    frame.guard.start(args, kwargs, frame.batch)
     frame.guard.__enter__()
 
 
@@ -40,6 +40,32 @@ def broadcast_fold(cap: Any) -> int:
     return cap.roots[-1].last_fold if cap.roots else 1
 
 
+def _guard(cap: Any) -> Any:
+    return next((f.guard for f in reversed(cap.roots) if f.guard is not None), None)
+
+
+def check_chosen_rows(cap: Any, module: nn.Module, label: str, B: int | None, inputs: Any) -> None:
+    """A hooked call of ``B`` rows, row ``i`` taken as sample ``i``'s: if its inputs' rows were chosen by the data
+    (:mod:`fastdp.layers.fold_guard`), they must be the samples' rows in order, which
+    :mod:`fastdp.layers.row_owners` checks at every call (the structure probe sees one batch; a later mask of the
+    same total would charge one sample's rows to another). Refused (``RuntimeError``, nothing recorded) if not.
+    The probe's engine pass notes the signature, so that the guard runs at its later calls."""
+    guard = _guard(cap)
+    if guard is None or B is None or B < 2 or not guard.row_chosen(inputs):
+        return
+    if cap.probe.running:  # its own batch is verified by its comparison, which names what mixes samples
+        cap.probe.chooses.add(cap.probe.sig)
+        return
+    reason = guard.unowned(inputs, B, 1)
+    if reason is not None:
+        raise RuntimeError(
+            f"module {label!r} ({type(module).__name__}) takes row i of its input as sample i's (batch size {B}), "
+            f"but the rows were chosen by the data (selected, gathered or scattered at indices computed from the "
+            f"inputs, e.g. h[mask]) and {reason}: its per-sample gradients would mix samples. Keep the padded "
+            "(B, T, ...) layout (mask the padding instead of dropping it), or freeze the module's parameters. "
+            "Nothing of this call was recorded.")
+
+
 def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, B: int | None,
             inputs: Any = ()) -> int:
     """The fold factor ``k`` of a hooked call with ``rows`` output rows (``k B``: the batch folded into
@@ -51,6 +77,8 @@ def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, 
     factor that follows the inputs' shapes in none of the ways the probe saw (:func:`batchdim.fold_rules`)."""
     k = batchdim.fold_factor(rows, B)
     if k == 1:
+        if rows == B:
+            check_chosen_rows(cap, module, label, B, inputs)
         return 1
     if id(module) not in cap.moe_of:  # (once per module: the type names of it and its ancestors)
         parts = label.split(".") if label != "<root>" else []
@@ -74,14 +102,16 @@ def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, 
             f"{head}. fastdp takes row r as sample r // {k}'s (the order x.reshape(-1, d) gives), which only the "
             "structure probe verifies, and it is off (PrivacyEngine(verify_structure=False)). Turn it on, or "
             "keep the batch dimension first in the model's forward.")
-    guard = next((f.guard for f in reversed(cap.roots) if f.guard is not None), None)
-    if guard is not None and guard.row_chosen(inputs):
+    guard = _guard(cap)
+    reason = guard.unowned(inputs, rows, k) if guard is not None and guard.row_chosen(inputs) else None
+    if guard is not None and guard.row_chosen(inputs) and cap.probe.running:
+        cap.probe.chooses.add(cap.probe.sig)
+    if reason is not None:
         raise RuntimeError(
             f"{head}, but its rows were chosen by the data (selected, gathered, sorted or scattered at indices "
-            "computed from the inputs, e.g. h[mask] to drop padding): each sample may own a different number "
-            "of them, so they cannot be taken as k rows per sample. Keep the padded (B, T, ...) layout (mask "
-            "the padding instead of dropping it), or freeze the module's parameters. Nothing of this call was "
-            "recorded.")
+            f"computed from the inputs, e.g. h[mask] to drop padding) and {reason}: they cannot be taken as "
+            f"{k} rows per sample. Keep the padded (B, T, ...) layout (mask the padding instead of dropping it), or "
+            "freeze the module's parameters. Nothing of this call was recorded.")
     frame = cap.roots[-1] if cap.roots else None
     if cap.probe.running:
         if frame is not None:
@@ -107,4 +137,4 @@ def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, 
     return k
 
 
-__all__ = ["broadcast_fold", "enter_guard", "fold_of", "note_rows"]
+__all__ = ["broadcast_fold", "check_chosen_rows", "enter_guard", "fold_of", "note_rows"]

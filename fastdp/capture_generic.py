@@ -186,6 +186,7 @@ def _fold(cap: Any, module: nn.Module, label: str, leaves: list[Any], declared: 
              and (lay is None or j not in lay.shared_out)}
     folds = {batchdim.fold_factor(s, B) for s in sizes} - {1}
     if B in sizes and not folds:
+        capture_fold.check_chosen_rows(cap, module, label, B, [args, kwargs])
         return 1, _input_fold(cap, module, label, B, lay, args, kwargs)
     if B in sizes or len(folds) > 1:
         return 1, 1

@@ -315,6 +315,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     engine._capture.probe.running = True
     engine._capture.probe.sig = sig
     engine._capture.probe.folds.pop(sig, None)  # the fold factors its engine pass sees (fastdp.capture)
+    engine._capture.probe.chooses.discard(sig)  # and whether it sees rows chosen by the data (fastdp.capture_fold)
     engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
     broadcast = engine_failed = False
     suspects: list[str] = []

@@ -1,16 +1,16 @@
-"""Rows chosen by the data: the guard that keeps them from being taken as a fold of the batch.
+"""Rows chosen by the data: the guard that keeps them from being taken as the batch's rows, or a fold of them.
 
 A fold (:func:`fastdp.layers.batchdim.fold_factor`: a layer sees ``k B`` rows, sample ``i`` owning rows
 ``i k .. i k + k - 1``) is verified by the structure probe once per input signature. That verification holds for the
 signature's later calls only if which rows a sample owns is a function of the shapes, as ``reshape``/``view`` make
 it. Rows *chosen by the data* are not: ``h[mask]`` (unpadding), ``index_select``/``gather`` at data-derived
-indices, a sort along dimension 0, a scatter into rows. Their count can be ``k B`` with the probe's ``k`` while each
-sample owns a different number of them, and taking them as a fold would charge one sample's rows to another's
-clipping budget, silently.
+indices, a sort along dimension 0, a scatter into rows. Their count can be ``k B`` with the probe's ``k`` (or ``B``)
+while each sample owns a different number of them, and taking them as a fold (or as the batch) would charge one
+sample's rows to another's clipping budget, silently.
 
 :class:`RowGuard` is a :class:`torch.overrides.TorchFunctionMode` active during the forward calls of an input
-signature whose probe saw a fold or that the probe has not verified, and during the probe's own engine pass. It
-follows two properties of tensors:
+signature whose probe saw a fold or a hooked call of row-chosen rows, or that the probe has not verified, and during
+the probe's own engine pass. It follows two properties of tensors:
 
 * **derived**: computed from the model's inputs (every tensor of the forward call's arguments, and everything
   computed from one, also written into a buffer by ``buf[...] = x``). Parameters, buffers, constants built inside
@@ -26,15 +26,19 @@ follows two properties of tensors:
   pieces of different leading sizes (pieces cut per sample at lengths read from the data). A table that is not
   derived (a parameter) read at derived indices is a lookup, as an embedding is: its rows follow the index's rows.
 
-:func:`fastdp.capture_fold.fold_of` refuses a folded call whose input is row-chosen.
+:mod:`fastdp.layers.row_owners` follows, for every row-chosen tensor, which sample owns each of its rows (computed
+from the actual indices at every call), and for *parts* of the batch cut by their shapes (``h[1:]``, ``h[j]``,
+``h.chunk(2)``, ``h.unbind(0)``: not row-chosen, the probe verifies them) the same, so that joining them back along
+dimension 0 (``torch.cat``, ``torch.stack``) is a choice whose owners are known. A hooked call whose input is
+row-chosen is accepted when its rows are the samples' in order (:func:`fastdp.capture_fold.check_chosen_rows`,
+:func:`fastdp.capture_fold.fold_of`), else refused.
 
-**Not seen** (a deny-list, not a proof; a red-team pass found these and they stay open): rows chosen through the
-host (indices or lengths read with ``.item()``/``.tolist()``/``.numpy()`` and used as Python numbers: a loop over
-samples ``torch.stack([h[j] for j in order])``, a slice ``x[:n]``; ``torch.tensor(list)`` copies), a choice along
-another dimension after the rows were moved off dimension 0 (``h.t()[:, idx].t()``), ``torch.ops.aten`` called
-directly, and operations that bypass ``__torch_function__`` (C++ extensions). The probe still compares every folded
-call's per-sample gradients with batch-of-one references at each new signature, and a later factor must follow
-the shapes (:func:`fastdp.layers.batchdim.fold_follows`).
+**Not seen** (a deny-list, not a proof; a red-team pass found the first ones): rows chosen by a Python number read
+from a tensor that is not itself cut from the batch (``x[:n]``, ``torch.tensor(list)``), a choice along another
+dimension after the rows were moved off dimension 0 (``h.t()[:, idx].t()``), ``torch.ops.aten`` called directly, and
+operations that bypass ``__torch_function__`` (C++ extensions). The probe still compares every folded call's
+per-sample gradients with batch-of-one references at each new signature, and a later factor must follow the shapes
+(:func:`fastdp.layers.batchdim.fold_follows`).
 
 Cost: a Python call per torch function of the forward (metadata queries such as ``.shape`` return at once), which
 weighs most on small models of many small operations: ``benchmarks/run.py --preset folded``.
@@ -47,6 +51,7 @@ from typing import Any
 
 import torch
 
+from fastdp.layers import row_owners
 from fastdp.torch_api import TorchFunctionMode, tree_flatten
 
 _T = torch.Tensor
@@ -72,6 +77,25 @@ _BY_VALUE = {torch.sort: (1, -1), _T.sort: (1, -1), torch.argsort: (1, -1), _T.a
              torch.msort: (99, 0), _T.msort: (99, 0), torch.unique: (4, None), _T.unique: (4, None),
              torch.unique_consecutive: (3, None), _T.unique_consecutive: (3, None)}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
+#: functions that cut a tensor into parts along a dimension: (position of ``dim``, its default)
+_PARTS = {**dict.fromkeys((torch.chunk, _T.chunk, torch.split, _T.split, torch.tensor_split, _T.tensor_split),
+                          (2, 0)),
+          **dict.fromkeys((torch.unbind, _T.unbind), (1, 0)),
+          **dict.fromkeys((torch.narrow, _T.narrow, torch.select, _T.select), (1, None))}
+#: writes of rows into a tensor
+_WRITES = {_T.__setitem__, torch.index_add, _T.index_add, _T.index_add_, torch.index_copy, _T.index_copy,
+           _T.index_copy_, torch.index_reduce, _T.index_reduce, _T.index_reduce_, torch.index_put, _T.index_put,
+           _T.index_put_, _T.masked_scatter, _T.masked_scatter_, torch.masked_scatter, torch.scatter, _T.scatter,
+           _T.scatter_, torch.scatter_add, _T.scatter_add, _T.scatter_add_, torch.scatter_reduce, _T.scatter_reduce,
+           _T.scatter_reduce_}
+#: :meth:`RowGuard._joined` along a dimension other than 0
+_NOT_JOINED = object()
+#: the choices of :data:`_ALONG_DIM` that read rows (the others write them)
+_SELECTS = {torch.index_select, _T.index_select, torch.gather, _T.gather, torch.take_along_dim, _T.take_along_dim}
+_SCATTERS = {torch.scatter, _T.scatter, _T.scatter_, torch.scatter_add, _T.scatter_add, _T.scatter_add_,
+             torch.scatter_reduce, _T.scatter_reduce, _T.scatter_reduce_}
+_MASKED_SCATTER = {_T.masked_scatter, _T.masked_scatter_, torch.masked_scatter}
+_INDEX_PUT = {torch.index_put, _T.index_put, _T.index_put_}
 #: table lookups: ``(index, table)``; the rows of a derived table chosen at derived indices
 _LOOKUP = {_F.embedding, torch.embedding}
 #: new tensors of a given size, dtype and device, whatever the values of their tensor argument: not derived
@@ -141,20 +165,61 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, names: tuple[s
 
 class RowGuard(TorchFunctionMode):
     """The mode (see the module docstring). :meth:`start` marks a forward call's inputs as derived;
-    :meth:`row_chosen` answers for a layer's input."""
+    :meth:`row_chosen` answers for a layer's input, :meth:`unowned` whether its row-chosen tensors' rows are the
+    samples' (:mod:`fastdp.layers.row_owners`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.derived = _Marks()
         self.chosen = _Marks()
+        #: parts of the batch's rows cut by their shapes (``h[1:]``, ``h[j]``, ``h.chunk(2)``) and what is computed
+        #: from them: not checked at a layer's call (the structure probe verifies them), but their owners are
+        #: followed, so that joining them back along dimension 0 (``torch.cat``, ``torch.stack``) is checked
+        self.parts = _Marks()
+        self.batch: int | None = None
+        #: id of a row-chosen tensor -> (a weak reference to it, its rows' owners or None: not known)
+        self._owners: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
 
-    def start(self, args: Any, kwargs: Any) -> None:
+    def start(self, args: Any, kwargs: Any, batch: int | None = None) -> None:
+        self.batch = batch
         for t in tree_flatten((args, kwargs))[0]:
             self.derived.add(t)
 
     def row_chosen(self, tree: Any) -> bool:
         """Whether a tensor of ``tree`` (a layer call's inputs, any nesting) is row-chosen."""
         return bool(self.chosen) and any(t in self.chosen for t in tree_flatten(tree)[0])
+
+    def owners(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The owners of a row-chosen tensor's rows, or of a part's (``None``: not known); the natural ones for any
+        other."""
+        if t in self.chosen or t in self.parts:
+            entry = self._owners.get(id(t))
+            return entry[1] if entry is not None and entry[0]() is t else None
+        return row_owners.natural(t, self.batch)
+
+    def unowned(self, tree: Any, rows: int, fold: int) -> str | None:
+        """Why the row-chosen tensors of ``tree`` (a layer call's inputs) are not ``rows`` rows of the samples in
+        order, ``fold`` each (``None``: they are, or there are none)."""
+        if not self.chosen or self.batch is None:
+            return None
+        want = None
+        for t in tree_flatten(tree)[0]:
+            if not isinstance(t, torch.Tensor) or t not in self.chosen:
+                continue
+            own = self.owners(t)
+            if own is None:
+                return "which sample owns each row was lost on the way (an operation fastdp does not follow)"
+            if want is None:
+                want = torch.arange(self.batch).repeat_interleave(fold)
+            if own.shape != want.shape or not torch.equal(own, want):
+                counts = torch.bincount(own, minlength=self.batch)[:self.batch].tolist() \
+                    if own.numel() and int(own.min()) >= 0 else []
+                return (f"its {t.shape[0]} rows belong to samples with {counts} rows each, not {fold} each in order"
+                        if counts else f"its {t.shape[0]} rows are not {fold} per sample in order")
+        return None
+
+    def _set(self, t: torch.Tensor, own: torch.Tensor | None) -> None:
+        self._owners[id(t)] = (weakref.ref(t), own)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -167,15 +232,164 @@ class RowGuard(TorchFunctionMode):
             ins += _tensors(kwargs)
         if not any(t in self.derived for t in ins):
             return out
-        chosen = (bool(self.chosen) and any(t in self.chosen for t in ins)) or self._chooses(func, args, kwargs)
+        chosen_in = bool(self.chosen) and any(t in self.chosen for t in ins)
+        part_in = bool(self.parts) and any(t in self.parts for t in ins)
+        # (a write of tracked rows is followed by the write's rule, whatever its index: each written row must be
+        # its slot's sample's)
+        chooses = self._chooses(func, args, kwargs) or ((chosen_in or part_in) and func in _WRITES)
         targets = _tensors(out)
         if func is _T.__setitem__ and args:
             targets.append(args[0])  # written in place (in-place methods return their target)
         for t in targets:
             self.derived.add(t)
-            if chosen:
+        if chosen_in or chooses:
+            for t in targets:
+                own = self._after(func, args, kwargs, t, ins, chooses)
                 self.chosen.add(t)
+                self._set(t, own)
+        elif part_in or self._splits(func, args, kwargs):
+            owners = self._split_owners(func, args, kwargs, targets) if not part_in else \
+                [self._after(func, args, kwargs, t, ins, False) for t in targets]
+            for t, own in zip(targets, owners, strict=True):
+                self.parts.add(t)
+                self._set(t, own)
         return out
+
+    def _splits(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether ``func`` cuts rows of a derived tensor along dimension 0 by their shapes (a part)."""
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x not in self.derived:
+            return False
+        if func is _T.__getitem__:
+            first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+            return (isinstance(first, int) and not isinstance(first, bool)) or (
+                isinstance(first, slice) and first != slice(None))
+        if func in _PARTS:
+            pos, default = _PARTS[func]
+            return _dim0(x, _arg(args, kwargs, pos, ("dim",), default))
+        return False
+
+    def _split_owners(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      targets: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The owners of the parts ``targets`` that ``func`` cut along dimension 0 (:meth:`_splits`), in order."""
+        x = args[0]
+        base = self.owners(x)
+        if base is None:
+            return [None] * len(targets)
+        if func is _T.__getitem__:
+            return [row_owners.indexed(base, args[1], x, targets[0])]
+        if func in (torch.narrow, _T.narrow):
+            start, length = _arg(args, kwargs, 2, ("start",)), _arg(args, kwargs, 3, ("length",))
+            own = base[start:start + length] if isinstance(start, int) and isinstance(length, int) else None
+            return [own if own is not None and own.shape[0] == targets[0].shape[0] else None]
+        if func in (torch.select, _T.select):
+            i = _arg(args, kwargs, 2, ("index",))
+            t = targets[0]
+            return [base[i].expand(t.shape[0]).clone() if isinstance(i, int) and t.dim() else None]
+        if func in (torch.unbind, _T.unbind):
+            return [base[j].expand(t.shape[0]).clone() if t.dim() else None for j, t in enumerate(targets)]
+        out, start = [], 0  # chunk, split, tensor_split: consecutive pieces
+        for t in targets:
+            n = t.shape[0] if t.dim() else 0
+            out.append(base[start:start + n] if start + n <= base.shape[0] else None)
+            start += n
+        return out
+
+    def _source(self, v: Any) -> Any:
+        """The owners of a value written into rows: ``row_owners.CONSTANT`` if it holds no sample's data."""
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v not in self.derived:
+            return row_owners.CONSTANT
+        return self.owners(v)
+
+    def _after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: torch.Tensor,
+               ins: list[torch.Tensor], chooses: bool) -> torch.Tensor | None:
+        """The owners of ``target``, a result of ``func`` on row-chosen tensors or a choice of rows."""
+        if not isinstance(target, torch.Tensor):
+            return None
+        if chooses:
+            return self._chosen_owners(func, args, kwargs, target)
+        if func is _T.__getitem__ and len(args) > 1:
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            tracked = args[0] in self.chosen or args[0] in self.parts
+            if tracked and not any(isinstance(i, torch.Tensor) and (i in self.chosen or i in self.parts)
+                                   for i in idx):
+                return row_owners.indexed(self.owners(args[0]), args[1], args[0], target)
+            return None
+        if func in _CAT or func is torch.stack:
+            joined = self._joined(func, args, kwargs, target)
+            if joined is not _NOT_JOINED:
+                return joined
+        owners = {id(t): self.owners(t) for t in ins if t in self.chosen or t in self.parts}
+        others = [t for t in ins if t in self.derived and t not in self.chosen and t not in self.parts]
+        return row_owners.carried(func, args, kwargs, target, owners, others, self.batch)
+
+    def _joined(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: torch.Tensor) -> Any:
+        """The owners of ``torch.cat``/``torch.stack`` along dimension 0: each piece's, joined (a piece of no
+        sample's rows, such as a constant, or of rows not known: ``None``); :data:`_NOT_JOINED` along another
+        dimension."""
+        pieces = [p for p in (_arg(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
+        dim = _arg(args, kwargs, 1, ("dim", "axis"), 0)
+        if not pieces or not isinstance(dim, int):
+            return None
+        if func is torch.stack:
+            if dim not in (0, -pieces[0].dim() - 1):
+                return _NOT_JOINED
+            own = []
+            for p in pieces:  # each piece is one row of the result: all of it one sample's
+                o = self.owners(p) if p in self.derived and p.dim() else None
+                if o is None or not o.numel() or not bool((o == o[0]).all()):
+                    return None
+                own.append(o[:1])
+            return torch.cat(own)
+        if not _dim0(pieces[0], dim):
+            return _NOT_JOINED
+        own = [self.owners(p) if p in self.derived else torch.full((p.shape[0],), row_owners.NO_SAMPLE)
+               for p in pieces if p.dim() and p.shape[0]]  # (a constant row: a position table, a class token)
+        if any(o is None for o in own):
+            return None
+        joined = torch.cat(own) if own else torch.empty(0, dtype=torch.long)
+        return joined if joined.shape[0] == target.shape[0] else None
+
+    def _chosen_owners(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       target: torch.Tensor) -> torch.Tensor | None:
+        """The owners of a result of a choice of rows by derived values (:meth:`_chooses`); ``None`` for the choices
+        :mod:`fastdp.layers.row_owners` does not follow (sorts, ``unique``, ``take``, ``put``, ``masked_select``,
+        ``repeat_interleave``)."""
+        if func is _T.__getitem__:
+            return row_owners.selected(self.owners(args[0]), args[1], target)
+        if func is _T.__setitem__:
+            dest, index, value = args[0], args[1], args[2] if len(args) > 2 else None
+            return row_owners.written(self.owners(dest), index, self._source(value))
+        if func in _ALONG_DIM:
+            dim_pos, default, index_pos = _ALONG_DIM[func]
+            src = _arg(args, kwargs, 0, ("input",))
+            index = _arg(args, kwargs, index_pos, ("index", "indices"))
+            if not _dim0(src, _arg(args, kwargs, dim_pos, ("dim",), default)):
+                if func in _SELECTS:  # positions of each row chosen: the rows stay, and the index's are theirs
+                    return row_owners.rowwise(self.owners(src), self._source(index)) if (
+                        isinstance(src, torch.Tensor) and target.dim() and src.dim()
+                        and target.shape[0] == src.shape[0]) else None
+                value = _arg(args, kwargs, 3, ("source", "src", "value"))
+                return row_owners.rowwise(self.owners(src), self._source(value))
+            if func in _SELECTS:
+                return row_owners.selected(self.owners(src), (index,), target)
+            value = _arg(args, kwargs, 3, ("source", "src", "value"))
+            if func in _SCATTERS:
+                return row_owners.scattered(self.owners(src), src, index, self._source(value), value)
+            return row_owners.written(self.owners(src), (index,), self._source(value))
+        if func in _MASKED_SCATTER:
+            value = _arg(args, kwargs, 2, ("source",))
+            return row_owners.masked_written(self.owners(args[0]), args[0], args[1], self._source(value), value)
+        if func in _INDEX_PUT:
+            indices, value = _arg(args, kwargs, 1, ("indices",)), _arg(args, kwargs, 2, ("values",))
+            return row_owners.written(self.owners(args[0]), tuple(indices or ()), self._source(value))
+        if func in _LOOKUP:
+            index, table = _arg(args, kwargs, 0, ("input", "indices")), _arg(args, kwargs, 1, ("weight",))
+            return row_owners.selected(self.owners(table), (index,), target)
+        if func in _CAT or func is torch.stack:
+            joined = self._joined(func, args, kwargs, target)
+            return None if joined is _NOT_JOINED else joined
+        return None
 
     def _chooses(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this call chooses rows of a derived tensor by derived values (see the module docstring)."""
@@ -208,12 +422,18 @@ class RowGuard(TorchFunctionMode):
         if func in _LOOKUP:
             index, table = _arg(args, kwargs, 0, ("input", "indices")), _arg(args, kwargs, 1, ("weight",))
             return isinstance(table, torch.Tensor) and table in d and isinstance(index, torch.Tensor) and index in d
-        if func in _CAT:
+        if func in _CAT or func is torch.stack:
             parts = _arg(args, kwargs, 0, ("tensors",), ())
             dim = _arg(args, kwargs, 1, ("dim",), 0)
             parts = [t for t in parts if isinstance(t, torch.Tensor) and t.dim() > 0]
-            return (len({t.shape[0] for t in parts}) > 1 and isinstance(dim, int) and any(t in d for t in parts)
-                    and all(_dim0(t, dim) for t in parts))
+            if not parts or not isinstance(dim, int) or not any(t in d for t in parts):
+                return False
+            if func is torch.stack:  # pieces of samples stacked into rows: which sample each is must be followed
+                return dim in (0, -parts[0].dim() - 1) and any(t in self.parts for t in parts)
+            # pieces of different leading sizes (cut per sample at lengths read from the data), or parts of the
+            # batch's rows joined back (h[j] for j in an order read from the data)
+            return all(_dim0(t, dim) for t in parts) and (
+                len({t.shape[0] for t in parts}) > 1 or any(t in self.parts for t in parts))
         return False
 
     def _index_chooses(self, index: Any) -> bool:

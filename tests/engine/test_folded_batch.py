@@ -350,22 +350,29 @@ class Unpad(nn.Module):
         return self.head(torch.zeros_like(h).masked_scatter(mask.bool().unsqueeze(-1), f).sum(1))
 
 
-@pytest.mark.parametrize("counts", [[[1, 1, 0, 0]] * 3, [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]]],
-                         ids=["equal counts", "unequal, total 2B"])
-def test_rows_chosen_by_a_mask_are_refused(counts):
-    """``h[mask]`` has ``k B`` rows here. With equal counts per sample the grouping would even be right, but a later
-    batch of the same total and unequal counts would be charged to the wrong samples (the probe sees one batch, and
-    with unequal counts only samples 0 and B - 1, which here own the right rows): refused, with or without a fold
-    the probe could verify."""
+def test_rows_chosen_by_a_mask_are_a_fold_only_when_each_sample_owns_k_in_order():
+    """``h[mask]`` has ``k B`` rows here. With equal counts per sample (2 each) they are a fold the probe verifies,
+    and each call's rows are checked to be 2 per sample in order (fastdp.layers.row_owners): exact, at two steps.
+    A later batch of the same total and unequal counts (2, 1, 3) would be charged to the wrong samples (the probe
+    sees one batch): refused, naming the counts. (Both were refused before; the second one must stay so.)"""
     torch.manual_seed(20)
+    g = torch.Generator().manual_seed(21)
+
+    def batch(counts):
+        mask = torch.tensor([[1] * c + [0] * (T - c) for c in counts])
+        return [((torch.randint(0, V, mask.shape, generator=g), mask), torch.randn(len(counts), 3, dtype=D,
+                                                                                     generator=g))]
     model = Unpad().to(D)
-    mask = torch.tensor(counts)
-    engine = make_engine(model, batch_size=len(mask), mode="BK-MixOpt", fn="abadi", style="all-layer",
+    _steps(model, mse_loss, [batch([2, 2, 2]), batch([2, 2, 2])])
+    with pytest.raises(RuntimeError, match=r"before module 'fc' \(Linear\), but its rows were chosen by the data .* "
+                                           r"its 6 rows belong to samples with \[2, 1, 3\] rows each"):
+        model(*batch([2, 1, 3])[0][0])
+    engine = make_engine(Unpad().to(D), batch_size=3, mode="BK-MixOpt", fn="abadi", style="all-layer",
                          reduction="mean")
-    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.attach(torch.optim.SGD(engine.model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match=r"before module 'fc' \(Linear\), but its rows were chosen by the data"):
-        model(torch.randint(0, V, mask.shape), mask)
-    assert all(p.grad is None for p in model.parameters())
+        engine.model(*batch([2, 1, 3])[0][0])  # the probe's own batch: refused too
+    assert all(p.grad is None for p in engine.model.parameters())
 
 
 class PositionMajorWithTable(nn.Module):
@@ -484,13 +491,65 @@ def test_guard_leaves_shape_operations_and_constant_indices_alone():
     assert not _chosen(lambda x: torch.cat([x[:, :1], x], dim=1), x)
     assert not _chosen(lambda x: x[:, torch.tensor([1, 3])], x)  # the same positions of every sample
     assert not _chosen(lambda x: x.sort(dim=-1).values, x)
-    assert not _chosen(lambda x: torch.stack(x.unbind(0)), x)
     pos = torch.tensor([[0, 1, 2, 3]] * 3)  # positions derived from the inputs (as from a mask's cumsum)
     assert not _chosen(lambda x, p: x + table[p], x, pos)  # a parameter table read there: a lookup
     assert not _chosen(lambda x, p: x + table.index_select(0, p.flatten()).view(3, 4, 2), x, pos)
     assert not _chosen(lambda x: torch.cat([x.new_ones(1, 4, 2), x.new_ones(2, 4, 2)]) * x, x)  # new tensors
     lengths = torch.tensor([3, 1, 2])
     assert not _chosen(lambda x, n: x * n.sort(descending=True).values[0], x, lengths)  # a 1-D sort
+
+
+def _owners(fn, *inputs):
+    """The owners the guard gives ``fn(*inputs)``'s rows (``inputs`` are a forward call's, batch 3; ``None``: not
+    known; ``"natural"``: not row-chosen)."""
+    from fastdp.layers.fold_guard import RowGuard
+
+    guard = RowGuard()
+    guard.start(inputs, {}, 3)
+    with guard:
+        out = fn(*inputs)
+    if not guard.row_chosen(out):
+        return "natural"
+    own = guard.owners(out)
+    return None if own is None else own.tolist()
+
+
+def test_guard_follows_which_sample_owns_each_row():
+    x = torch.randn(3, 4, 2)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 1]]).bool()
+    assert _owners(lambda x, m: x[m], x, mask) == [0, 0, 2, 2]
+    assert _owners(lambda x, m: torch.tanh(x[m] @ torch.ones(2, 5)).sum(-1), x, mask) == [0, 0, 2, 2]
+    assert _owners(lambda x, m: x[m].view(2, 2, 2), x, mask) == [0, 2]  # grouped: each group one sample's
+    assert _owners(lambda x, m: x[m].view(1, 4, 2), x, mask) is None  # a group of two samples
+    assert _owners(lambda x, m: x[m].view(-1), x, mask) == [0] * 4 + [2] * 4  # split
+    assert _owners(lambda x, m: x[m][1:3], x, mask) == [0, 2]
+    assert _owners(lambda x, m: x[m][:, :1], x, mask) == [0, 0, 2, 2]
+    assert _owners(lambda x, i: x.index_select(0, i), x, torch.tensor([2, 0])) == [2, 0]
+    # moved, mixed or reduced along dimension 0: not known
+    assert _owners(lambda x, m: x[m].transpose(0, 1), x, mask) is None
+    assert _owners(lambda x, m: x[m].flip(0), x, mask) is None
+    assert _owners(lambda x, m: x[m].cumsum(0), x, mask) is None
+    assert _owners(lambda x, m: x[m].softmax(0), x, mask) is None
+    assert _owners(lambda x, m: x[m] - x[m].mean(0), x, mask) is None
+    assert _owners(lambda x, m: torch.ones(4, 4, dtype=x.dtype) @ x[m], x, mask) is None  # a second operand
+    assert _owners(lambda x, m: x[m] + x[m].flip(0), x, mask) is None  # rows of different samples joined
+    # written back: natural again when every row goes to its sample's slot
+    assert _owners(lambda x, m: torch.zeros(3, 2).index_add(0, m.nonzero()[:, 0], x[m]), x, mask) == [0, 1, 2]
+    assert _owners(lambda x, m: torch.zeros(3, 2).index_add(0, 2 - m.nonzero()[:, 0], x[m]), x, mask) is None
+    assert _owners(lambda x, m: torch.zeros_like(x).masked_scatter(m.unsqueeze(-1), x[m]), x, mask) == [0, 1, 2]
+
+    def setitem(x, m):
+        buf = torch.zeros_like(x)
+        buf[m] = x[m] * 2
+        return buf
+    assert _owners(setitem, x, mask) == [0, 1, 2]
+    # parts of the batch cut by their shapes, joined back along dimension 0
+    assert _owners(lambda x: torch.stack(x.unbind(0)), x) == [0, 1, 2]
+    assert _owners(lambda x: torch.stack([x[j] for j in (2, 0, 1)]), x) == [2, 0, 1]  # (an order read on the host)
+    assert _owners(lambda x: torch.cat([x[2:], x[:2]]), x) == [2, 0, 1]
+    assert _owners(lambda x: torch.cat([x[0, :1], x[1, :3]]), x) == [0, 1, 1, 1]
+    assert _owners(lambda x: torch.cat([torch.ones(1, 4, 2), x]), x) == [-1, 0, 1, 2]  # a constant row: no sample
+    assert _owners(lambda x: torch.tanh(x[:2]), x) == "natural"  # a part alone is the probe's to verify
 
 
 def test_fold_rules_follow_the_inputs_sizes():
