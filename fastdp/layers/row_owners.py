@@ -297,8 +297,8 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
     """The owners of ``out``, a result of ``func(*args, **kwargs)`` that chose no rows, whose row-chosen tensor
     arguments have ``owners`` (by ``id``). ``others``: its arguments computed from the inputs whose rows were not
     chosen (natural rows, :func:`natural`), which must not bring other samples' rows into the result's rows."""
-    if any(o is None for o in owners.values()) or out.dim() == 0:
-        return None
+    if any(o is None for o in owners.values()) or out.dim() == 0 or func in _LOST:
+        return None  # (einsum, cdist, kron, ...: whatever their operands, rows of several samples meet)
     if func in _CAT:
         parts = [p for p in (_arg(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
         dim = _arg(args, kwargs, 1, ("dim", "axis"), 0)

@@ -533,6 +533,9 @@ def test_guard_follows_which_sample_owns_each_row():
     assert _owners(lambda x, m: x[m] - x[m].mean(0), x, mask) is None
     assert _owners(lambda x, m: torch.ones(4, 4, dtype=x.dtype) @ x[m], x, mask) is None  # a second operand
     assert _owners(lambda x, m: x[m] + x[m].flip(0), x, mask) is None  # rows of different samples joined
+    assert _owners(lambda x, m: torch.einsum("nd,md->nm", x[m], x[m]), x, mask) is None
+    assert _owners(lambda x, m: torch.cdist(x[m], x[m]), x, mask) is None
+    assert _owners(lambda x, m: torch.where(x[m] > 0, x[m], x[m].roll(1, 0)), x, mask) is None
     # written back: natural again when every row goes to its sample's slot
     assert _owners(lambda x, m: torch.zeros(3, 2).index_add(0, m.nonzero()[:, 0], x[m]), x, mask) == [0, 1, 2]
     assert _owners(lambda x, m: torch.zeros(3, 2).index_add(0, 2 - m.nonzero()[:, 0], x[m]), x, mask) is None
