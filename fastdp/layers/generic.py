@@ -235,10 +235,12 @@ class GenericKind(LayerKind):
         args_b = _unsqueeze_batched(args_b, arg_dims, B, call.in_fold)
         kwargs_b = _unsqueeze_batched(kwargs_b, kwarg_dims, B, call.in_fold)
         leaf_index = call.leaf_index
+        aliases = slot_aliases(module, names_l)
 
         def one(args_i: tuple[Any, ...], kwargs_i: dict[str, Any], cot_i: tuple[torch.Tensor, ...]) -> Any:
             def f(theta: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-                leaves = tree_flatten(functional_call(module, theta, args_i, kwargs_i))[0]
+                every = {a: t for n, t in theta.items() for a in aliases[n]}
+                leaves = tree_flatten(functional_call(module, every, args_i, kwargs_i, tie_weights=False))[0]
                 return tuple(leaves[j] for j in leaf_index)
 
             outs, pullback = vjp(f, primals)
@@ -281,6 +283,24 @@ class GenericKind(LayerKind):
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         return ctx[name]
+
+
+def slot_aliases(module: nn.Module, names: list[str]) -> dict[str, list[str]]:
+    """For each parameter path in ``names``, one path per distinct slot of ``module``'s tree that holds the same
+    parameter (a weight tied through two modules: two slots, both substituted by the replay). A container registered
+    under two paths (a ``ParameterDict`` or module shared by two submodules, as peft's VB-LoRA vector bank or
+    TinyLoRA's shared vector) is one slot: substituted once. (``functional_call``'s own tying substitutes it once
+    per path and restores it once, leaving a plain tensor in the model: the replay then failed with "is not an
+    nn.Parameter" and the model lost the parameter.)"""
+    paths: dict[int, list[str]] = {}
+    slots: set[tuple[int, str]] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in sub._parameters.items():
+            if p is None or (id(sub), pname) in slots:
+                continue
+            slots.add((id(sub), pname))
+            paths.setdefault(id(p), []).append(f"{prefix}.{pname}" if prefix else pname)
+    return {n: paths.get(id(module.get_parameter(n)), [n]) for n in names}
 
 
 def _expanded_grads(module: nn.Module, call: GenericCall) -> dict[str, torch.Tensor]:

@@ -248,6 +248,71 @@ def test_parameter_containers(mode):
     check_engine(model, mse_loss, _batches(sizes, seed=20 + MODES.index(mode)), mode=mode)
 
 
+class SharedSub(nn.Module):
+    def __init__(self, pd):
+        super().__init__()
+        self.pd = pd  # one ParameterDict object, registered under every SharedSub that holds it
+        self.lin = nn.Linear(DOUT, DOUT).requires_grad_(False)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.pd["s"])
+
+
+class SharedContainer(nn.Module):
+    """A ParameterDict shared by two submodules (paths ``a.pd.s`` and ``b.pd.s``), as peft's VB-LoRA vector bank
+    and TinyLoRA's shared vector are: one parameter in one slot, reached twice."""
+
+    def __init__(self):
+        super().__init__()
+        pd = nn.ParameterDict({"s": nn.Parameter(torch.linspace(0.5, 1.5, DOUT))})
+        self.inp = nn.Linear(DIN, DOUT)
+        self.a, self.b = SharedSub(pd), SharedSub(pd)
+
+    def forward(self, x):
+        return self.b(self.a(self.inp(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_container_shared_by_two_submodules(mode):
+    """The owner's replay substitutes the shared slot once (torch.func.functional_call's tying substituted it once
+    per path and restored it once: the model was left holding a plain tensor and the step crashed with "is not an
+    nn.Parameter"; a red-team pass found it with peft's VB-LoRA, TinyLoRA, Lily and trainable tokens on GPT-2).
+    Exact, and the model still holds its parameter afterwards."""
+    torch.manual_seed(3)
+    model = SharedContainer().to(D)
+    sizes = SIZES[MODES.index(mode) % len(SIZES)]
+    check_engine(model, mse_loss, _batches(sizes, seed=40 + MODES.index(mode)), mode=mode)
+    assert type(model.a.pd._parameters["s"]) is nn.Parameter and model.a.pd["s"] is model.b.pd["s"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("kind", ["vblora", "trainable-tokens-tied"])
+def test_peft_shared_containers(kind):
+    """peft adapters whose parameter container is shared: VB-LoRA's vector bank (every adapted layer), and
+    LoRA's trainable token indices on GPT-2's tied embedding and head. Exact."""
+    pytest.importorskip("peft")
+    from model_oracle import ClsWrap, LMWrap, bert, cls_batches, cls_loss, gpt2, lm_batches, lm_loss
+    from peft import LoraConfig, VBLoRAConfig, get_peft_model
+
+    torch.manual_seed(0)
+    if kind == "vblora":
+        pm = get_peft_model(bert(), VBLoRAConfig(r=2, num_vectors=8, vector_length=4, topk=2, vblora_dropout=0.0,
+                                                 target_modules=["query", "value"], task_type="SEQ_CLS"))
+        model, loss, data = ClsWrap(pm).to(D), cls_loss, cls_batches([3, 1], 44, pad_id=0)
+    else:
+        pm = get_peft_model(gpt2(), LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                               trainable_token_indices=[3, 5, 7], init_lora_weights=False,
+                                               task_type="CAUSAL_LM"))
+        model, loss, data = LMWrap(pm).to(D), lm_loss, lm_batches([3, 1], 45)
+    g = torch.Generator().manual_seed(46)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    check_engine(model, loss, data, mode="BK-MixOpt")
+    assert all(type(p) is nn.Parameter for _, p in model.named_parameters(remove_duplicate=False))
+
+
 def _peft(kind, family):
     from model_oracle import ClsWrap, LMWrap, bert, gpt2
     from peft import AdaLoraConfig, IA3Config, VeraConfig, get_peft_model
