@@ -77,7 +77,10 @@ def _unattributable(label: str, j: int, grad: torch.Tensor) -> None:
         return  # (a zero gradient carries nothing)
     raise RuntimeError(
         f"output {j} of module {label!r} has no batch dimension but received a gradient: its contribution to "
-        "the owner's trainable parameters cannot be attributed to samples.")
+        "the owner's trainable parameters cannot be attributed to samples. Freeze that module's parameters, or "
+        "compute what it returns (a function of parameters only, such as a weight norm) inside the layer that uses "
+        "it, so that one module's per-sample outputs carry the gradient (peft's DoRA on an Embedding layer does "
+        "this: use DoRA on Linear layers, or plain LoRA on the embedding).")
 
 
 def generic_hook(cap: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *,

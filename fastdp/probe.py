@@ -102,7 +102,7 @@ from fastdp.layers import checkpointing, generic, layout
 from fastdp.layers.base import autocast_state, clipping_precision
 from fastdp.layers.generic import GENERIC
 from fastdp.plan import trainable_change
-from fastdp.torch_api import TorchFunctionMode, ieee_float32, tree_flatten, tree_map
+from fastdp.torch_api import TorchFunctionMode, has_grad_hooks, ieee_float32, tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -825,6 +825,10 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
     if not params and suspects:  # a pass failed: the expanded modules' parameters are the ones at stake
         params = sorted(n for n in owner if owner[n] in suspects)
     modules = sorted({owner[n] for n in params} | set(suspects))
+    hooked = [n for n in params if has_grad_hooks(engine._trainable[n])]
+    hooks = (f"\nParameters {hooked[:8]} have gradient hooks (Tensor.register_hook, as peft's OSF adapter registers): "
+             "the engine computes their per-sample gradients itself, so the hooks do not run on them, while the "
+             "batch-of-one reference runs them. Remove the hooks or freeze those parameters." if hooked else "")
     retry = (", and replaying those modules' parameters per sample from their ancestors, up to the whole model, did "
              "not pass either" if fell_back else "")
     exp = (f"\nModules {list(suspects)[:8]} do not see the batch as the engine assumes: it expanded their outputs of "
@@ -840,7 +844,7 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
         f"structure probe: the engine's per-sample gradients of this model do not match a brute-force batch-of-one "
         f"computation (batch size {B}), so training would not be private as stated. Parameters: "
         f"{params[:8]}{'...' if len(params) > 8 else ''}; modules: {modules[:8]}{'...' if len(modules) > 8 else ''}.\n"
-        f"Evidence{more}:\n{lines}{rnd}{exp}\n"
+        f"Evidence{more}:\n{lines}{rnd}{exp}{hooks}\n"
         "Likely causes: the batch axis is not the first dimension of the model's first tensor input (a "
         "sequence-first model: pass batch_first inputs); the model mixes samples (x.chunk/split over the batch, "
         "BatchNorm, reordering or any cross-sample operation); a forward hook changes a layer's output; an output of "

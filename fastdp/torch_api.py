@@ -22,6 +22,15 @@ from torch.utils import _pytree
 TorchFunctionMode = _TorchFunctionMode
 
 
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether ``Tensor.register_hook`` hooks are registered on ``t`` (they change its gradient in a plain backward
+    pass; the engine computes a trainable parameter's gradient itself, so they do not run on it).
+
+    Private (``Tensor._backward_hooks``): torch has no public query for a tensor's hooks.
+    """
+    return bool(getattr(t, "_backward_hooks", None))
+
+
 def current_graph_task_id() -> int:
     """The autograd engine's id of the backward pass running on this thread, ``-1`` outside one.
 
@@ -223,6 +232,6 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
 
 
 __all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
-           "group_norm_affine_grads", "ieee_float32",
+           "group_norm_affine_grads", "has_grad_hooks", "ieee_float32",
            "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
            "tree_map", "tree_unflatten"]

@@ -267,10 +267,8 @@ class GenericKind(LayerKind):
                     except RuntimeError as e1:  # named: which owner, which parameters (the probe's evidence)
                         err = RuntimeError(
                             f"module {label} ({type(module).__name__}) could not be replayed on one sample to get "
-                            f"the per-sample gradients of its parameters {names_l}: {str(e1).rstrip('.')}. Its "
-                            "output for one sample is not that sample's row of its output for the batch (an output "
-                            "that mixes samples, such as a (B, B) similarity matrix scaled by one of these "
-                            "parameters); freeze them or compute that part outside the model")
+                            f"the per-sample gradients of its parameters {names_l}: {str(e1).rstrip('.')}. "
+                            + _replay_hint(e1))
                         err.fastdp_params = tuple(f"{call.label}.{n}" if call.label else n for n in names_l)
                         raise err from e1
         for j, (got, want) in enumerate(zip(outs, call.outputs, strict=True)):
@@ -283,6 +281,17 @@ class GenericKind(LayerKind):
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         return ctx[name]
+
+
+def _replay_hint(error: BaseException) -> str:
+    """What to do when an owner's per-sample replay raised ``error``."""
+    if "autograd.Function" in str(error) or "setup_context" in str(error):
+        return ("The module computes with a custom torch.autograd.Function that torch.func cannot differentiate "
+                "(peft's LoHa, RandLoRA and C3A adapters do): its per-sample gradients cannot be computed. Freeze "
+                "those parameters, or use an adapter built from ordinary torch operations (LoRA, LoKr, DoRA, IA3)")
+    return ("Its output for one sample is not that sample's row of its output for the batch (an output that mixes "
+            "samples, such as a (B, B) similarity matrix scaled by one of these parameters); freeze them or compute "
+            "that part outside the model")
 
 
 def slot_aliases(module: nn.Module, names: list[str]) -> dict[str, list[str]]:

@@ -336,9 +336,11 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
         if lead is None:
             return None  # row-chosen operands broadcast along the result's rows only
         own = owners[id(lead)]
-        if lead is subject and (not _keeps_dim0(func, args, kwargs, lead)
-                                or (lead.dim() < out.dim() and func not in _RESHAPES)):
-            return None  # dimension 0 moved, mixed, or broadcast along a new leading dimension
+        wider = lead.dim() < out.dim() and any(isinstance(a, torch.Tensor) and a is not lead and a.dim() == out.dim()
+                                               for a in args)
+        if lead is subject and (not _keeps_dim0(func, args, kwargs, lead) or (wider and func not in _RESHAPES)):
+            return None  # dimension 0 moved or mixed; or broadcast against a wider operand (its rows then spread
+            # along a later dimension of the result); (a lookup, F.embedding(ids, table), adds trailing dimensions)
         for a in chosen:
             if a is lead:
                 continue

@@ -546,6 +546,13 @@ def test_guard_follows_which_sample_owns_each_row():
         buf[m] = x[m] * 2
         return buf
     assert _owners(setitem, x, mask) == [0, 1, 2]
+
+    def ids_written(x, m):  # Gemma 3's image tokens: ids written at a mask, then looked up (a trailing dimension)
+        ids = m.long() * 3
+        ids[m] = 0
+        return torch.nn.functional.embedding(ids, torch.randn(5, 2))
+    assert _owners(ids_written, x, mask) == [0, 1, 2]
+    assert _owners(lambda x, m: x[m] + torch.ones(3, 4, 2), x, mask) is None  # broadcast along a later dimension
     # parts of the batch cut by their shapes, joined back along dimension 0
     assert _owners(lambda x: torch.stack(x.unbind(0)), x) == [0, 1, 2]
     assert _owners(lambda x: torch.stack([x[j] for j in (2, 0, 1)]), x) == [2, 0, 1]  # (an order read on the host)
