@@ -21,9 +21,10 @@ hooked layer's call of ``B`` rows is accepted when they are ``0, 1, …, B - 1``
   whose first operand is the row-chosen one, reshapes that keep, group (all rows of a group one sample's) or split
   rows, indexing along other dimensions, ``torch.cat`` along dimension 0 (owners concatenated) or others. Lost
   (unknown) through anything that moves, reduces, sorts or scans along dimension 0 (``transpose``/``permute``/
-  ``t``, ``sum(0)``, ``softmax(dim=0)``, ``cumsum(0)``, ``flip``, ``roll``, ``cov``), a product whose second
-  operand is the row-chosen one, an ``int`` index on dimension 0, and a function that combines the rows with
-  another tensor computed from the inputs whose rows belong to other samples.
+  ``t``, ``sum(0)``, ``softmax(dim=0)``, ``cumsum(0)``, ``flip``, ``roll``, ``cov``, ``einsum``), a product whose
+  second operand is the row-chosen one, and a function that combines the rows with another tensor computed from the
+  inputs whose rows belong to other samples. ``x[j]`` (an ``int``) leaves rows all of sample ``owners[j]``; a
+  constant row joined to the batch's (a position table) is :data:`NO_SAMPLE`'s.
 
 Not seen: functions that mix rows without a dimension argument and keep dimension 0's size (none in torch's
 element-wise or row-wise functions; a custom one would be), rows chosen through the host (``.tolist()`` indices),
