@@ -421,11 +421,11 @@ class Capture:
             # per-sample call when that one saw the batch folded (a multiple-choice model's position table, added
             # to (B C, T, d) embeddings), which the structure probe verifies like any fold
             rows = B * capture_fold.broadcast_fold(self)
-            fold = capture_fold.fold_of(self, module, label, kind.foldable, rows, B, args)
+            fold = capture_fold.fold_of(self, module, label, kind.foldable, rows, B, (args, kwargs))
             out = out.expand(rows, *out.shape[1:])
         else:
             fold = 1 if out.dim() == 0 else capture_fold.fold_of(self, module, label, kind.foldable, out.shape[0], B,
-                                                                 args)
+                                                                 (args, kwargs))  # (an input given by keyword too)
             capture_fold.note_rows(self, out.shape[0] if out.dim() else None, fold, B)
         activation = None
         if needs_act:

@@ -22,6 +22,14 @@ from torch.utils import _pytree
 TorchFunctionMode = _TorchFunctionMode
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``None``: not a view). An in-place write into a view writes into it.
+
+    Semi-private (``Tensor._base``): torch documents views but has no public accessor for a view's base.
+    """
+    return t._base
+
+
 def has_grad_hooks(t: torch.Tensor) -> bool:
     """Whether ``Tensor.register_hook`` hooks are registered on ``t`` (they change its gradient in a plain backward
     pass; the engine computes a trainable parameter's gradient itself, so they do not run on it).
@@ -234,4 +242,4 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
 __all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
            "group_norm_affine_grads", "has_grad_hooks", "ieee_float32",
            "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
-           "tree_map", "tree_unflatten"]
+           "tree_map", "tree_unflatten", "view_base"]

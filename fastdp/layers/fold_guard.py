@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from fastdp.layers import row_owners
-from fastdp.torch_api import TorchFunctionMode, tree_flatten
+from fastdp.torch_api import TorchFunctionMode, tree_flatten, view_base
 
 _T = torch.Tensor
 _F = torch.nn.functional
@@ -77,6 +77,13 @@ _BY_VALUE = {torch.sort: (1, -1), _T.sort: (1, -1), torch.argsort: (1, -1), _T.a
              torch.msort: (99, 0), _T.msort: (99, 0), torch.unique: (4, None), _T.unique: (4, None),
              torch.unique_consecutive: (3, None), _T.unique_consecutive: (3, None)}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
+#: products whose second operand's rows (dimension 0 of a 1-D or 2-D tensor) are summed over
+_ROW_PRODUCTS = {torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.sparse.mm,
+                 torch.mv, _T.mv, torch.addmm, _T.addmm}
+#: joins other than cat and stack
+_OTHER_STACKS = {torch.vstack, torch.row_stack, torch.hstack, torch.dstack, torch.column_stack}
+#: the selection between two tensors by a condition
+_WHERE = {torch.where, _T.where}
 #: functions that cut a tensor into parts along a dimension: (position of ``dim``, its default)
 _PARTS = {**dict.fromkeys((torch.chunk, _T.chunk, torch.split, _T.split, torch.tensor_split, _T.tensor_split),
                           (2, 0)),
@@ -88,6 +95,8 @@ _WRITES = {_T.__setitem__, torch.index_add, _T.index_add, _T.index_add_, torch.i
            _T.index_put_, _T.masked_scatter, _T.masked_scatter_, torch.masked_scatter, torch.scatter, _T.scatter,
            _T.scatter_, torch.scatter_add, _T.scatter_add, _T.scatter_add_, torch.scatter_reduce, _T.scatter_reduce,
            _T.scatter_reduce_}
+#: functions that reorder rows by their shapes along the dimensions they are given: the position of ``dims``
+_REORDERS = {torch.flip: 1, _T.flip: 1, torch.roll: 2, _T.roll: 2}
 #: :meth:`RowGuard._joined` along a dimension other than 0
 _NOT_JOINED = object()
 #: the choices of :data:`_ALONG_DIM` that read rows (the others write them)
@@ -97,7 +106,7 @@ _SCATTERS = {torch.scatter, _T.scatter, _T.scatter_, torch.scatter_add, _T.scatt
 _MASKED_SCATTER = {_T.masked_scatter, _T.masked_scatter_, torch.masked_scatter}
 _INDEX_PUT = {torch.index_put, _T.index_put, _T.index_put_}
 #: table lookups: ``(index, table)``; the rows of a derived table chosen at derived indices
-_LOOKUP = {_F.embedding, torch.embedding}
+_LOOKUP = {_F.embedding, torch.embedding, _F.embedding_bag, torch.embedding_bag}
 #: new tensors of a given size, dtype and device, whatever the values of their tensor argument: not derived
 _FACTORIES = {_T.new_ones, _T.new_zeros, _T.new_full, _T.new_empty, torch.zeros_like, torch.ones_like,
               torch.full_like, torch.empty_like, torch.rand_like, torch.randn_like, torch.randint_like}
@@ -146,6 +155,13 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
         elif isinstance(x, (tuple, list)):
             out.extend(y for y in x if isinstance(y, torch.Tensor))
     return out
+
+
+def _lookup(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``(indices, table)`` of a lookup (``F.embedding(input, weight)``; ``torch.embedding(weight, indices)``)."""
+    if func in (torch.embedding, torch.embedding_bag):
+        return _arg(args, kwargs, 1, ("indices", "input")), _arg(args, kwargs, 0, ("weight",))
+    return _arg(args, kwargs, 0, ("input", "indices")), _arg(args, kwargs, 1, ("weight",))
 
 
 def _dim0(t: Any, dim: Any) -> bool:
@@ -247,13 +263,30 @@ class RowGuard(TorchFunctionMode):
                 own = self._after(func, args, kwargs, t, ins, chooses)
                 self.chosen.add(t)
                 self._set(t, own)
+                self._write_through(t, args, own, self.chosen)
         elif part_in or self._splits(func, args, kwargs):
             owners = self._split_owners(func, args, kwargs, targets) if not part_in else \
                 [self._after(func, args, kwargs, t, ins, False) for t in targets]
             for t, own in zip(targets, owners, strict=True):
-                self.parts.add(t)
+                # rows of different orders chosen between by the data (torch.where(flag, h.flip(0), h)): a choice
+                marks = self.chosen if own is None and func in _WHERE and args and args[0] in self.derived else \
+                    self.parts
+                marks.add(t)
                 self._set(t, own)
+                self._write_through(t, args, own, marks)
         return out
+
+    def _write_through(self, t: torch.Tensor, args: tuple[Any, ...], own: torch.Tensor | None, marks: _Marks) -> None:
+        """An in-place write into a view (``buf.view(n, d).index_add_(...)``, ``buf[:][idx] = f``) writes into the
+        tensor it views: that one is marked too, with the same owners when it has the view's shape."""
+        if not any(t is a for a in args[:1]):
+            return
+        base = view_base(t)
+        while base is not None:
+            self.derived.add(base)
+            marks.add(base)
+            self._set(base, own if base.shape == t.shape else None)
+            base = view_base(base)
 
     def _splits(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether ``func`` cuts rows of a derived tensor along dimension 0 by their shapes (a part)."""
@@ -267,6 +300,10 @@ class RowGuard(TorchFunctionMode):
         if func in _PARTS:
             pos, default = _PARTS[func]
             return _dim0(x, _arg(args, kwargs, pos, ("dim",), default))
+        if func in _REORDERS:  # the rows reordered by the shapes: followed, so that a choice between orders is seen
+            dims = _arg(args, kwargs, _REORDERS[func], ("dims",))
+            dims = dims if isinstance(dims, (tuple, list)) else (dims,) if dims is not None else ()
+            return any(_dim0(x, v) for v in dims if isinstance(v, int))
         return False
 
     def _split_owners(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -286,6 +323,13 @@ class RowGuard(TorchFunctionMode):
             i = _arg(args, kwargs, 2, ("index",))
             t = targets[0]
             return [base[i].expand(t.shape[0]).clone() if isinstance(i, int) and t.dim() else None]
+        if func in _REORDERS:
+            dims = _arg(args, kwargs, _REORDERS[func], ("dims",))
+            dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
+            if func in (torch.flip, _T.flip):
+                return [base.flip(0)] if len(dims) == 1 else [None]
+            shifts = _arg(args, kwargs, 1, ("shifts",))
+            return [base.roll(shifts, 0)] if isinstance(shifts, int) and len(dims) == 1 else [None]
         if func in (torch.unbind, _T.unbind):
             return [base[j].expand(t.shape[0]).clone() if t.dim() else None for j, t in enumerate(targets)]
         out, start = [], 0  # chunk, split, tensor_split: consecutive pieces
@@ -331,6 +375,21 @@ class RowGuard(TorchFunctionMode):
         dim = _arg(args, kwargs, 1, ("dim", "axis"), 0)
         if not pieces or not isinstance(dim, int):
             return None
+        if func in _OTHER_STACKS:
+            if func in (torch.vstack, torch.row_stack):  # 1-D pieces are rows (a stack), others joined along 0
+                own = []
+                for p in pieces:
+                    o = self.owners(p) if p in self.derived and p.dim() else None
+                    if p.dim() <= 1:
+                        if o is None or not o.numel() or not bool((o == o[0]).all()):
+                            return None
+                        o = o[:1]
+                    elif o is None:
+                        return None
+                    own.append(o)
+                joined = torch.cat(own)
+                return joined if joined.shape[0] == target.shape[0] else None
+            return None  # (hstack, dstack, column_stack: not followed)
         if func is torch.stack:
             if dim not in (0, -pieces[0].dim() - 1):
                 return _NOT_JOINED
@@ -384,9 +443,9 @@ class RowGuard(TorchFunctionMode):
             indices, value = _arg(args, kwargs, 1, ("indices",)), _arg(args, kwargs, 2, ("values",))
             return row_owners.written(self.owners(args[0]), tuple(indices or ()), self._source(value))
         if func in _LOOKUP:
-            index, table = _arg(args, kwargs, 0, ("input", "indices")), _arg(args, kwargs, 1, ("weight",))
+            index, table = _lookup(func, args, kwargs)
             return row_owners.selected(self.owners(table), (index,), target)
-        if func in _CAT or func is torch.stack:
+        if func in _CAT or func is torch.stack or func in _OTHER_STACKS:
             joined = self._joined(func, args, kwargs, target)
             return None if joined is _NOT_JOINED else joined
         return None
@@ -396,7 +455,7 @@ class RowGuard(TorchFunctionMode):
         d = self.derived
         if func in (_T.__getitem__, _T.__setitem__):
             src = args[0] if func is _T.__getitem__ else (args[2] if len(args) > 2 else None)
-            return (len(args) > 1 and self._index_chooses(args[1])
+            return (len(args) > 1 and isinstance(args[0], torch.Tensor) and self._index_chooses(args[0], args[1])
                     and (args[0] in d or (isinstance(src, torch.Tensor) and src in d)))
         if func in _ALONG_DIM:
             dim_pos, default, index_pos = _ALONG_DIM[func]
@@ -420,8 +479,15 @@ class RowGuard(TorchFunctionMode):
             return (src in d and isinstance(src, torch.Tensor) and src.dim() >= 2
                     and _dim0(src, _arg(args, kwargs, pos, ("dim",), default)))
         if func in _LOOKUP:
-            index, table = _arg(args, kwargs, 0, ("input", "indices")), _arg(args, kwargs, 1, ("weight",))
+            index, table = _lookup(func, args, kwargs)
             return isinstance(table, torch.Tensor) and table in d and isinstance(index, torch.Tensor) and index in d
+        if func in _ROW_PRODUCTS or func is torch.einsum:
+            return self._contracts_rows(func, args)
+        if func in _OTHER_STACKS:  # (vstack of rows, hstack of 1-D pieces: along dimension 0)
+            parts = [t for t in _arg(args, kwargs, 0, ("tensors",), ()) if isinstance(t, torch.Tensor)]
+            return any(t in self.parts or t in self.chosen for t in parts) or (
+                func in (torch.vstack, torch.row_stack) and len({t.shape[0] for t in parts if t.dim() > 1}) > 1
+                and any(t in d for t in parts))
         if func in _CAT or func is torch.stack:
             parts = _arg(args, kwargs, 0, ("tensors",), ())
             dim = _arg(args, kwargs, 1, ("dim",), 0)
@@ -436,13 +502,35 @@ class RowGuard(TorchFunctionMode):
                 len({t.shape[0] for t in parts}) > 1 or any(t in self.parts for t in parts))
         return False
 
-    def _index_chooses(self, index: Any) -> bool:
-        """Whether a ``[]`` index picks dimension 0 by a derived tensor (or a list holding one)."""
-        first = index[0] if isinstance(index, tuple) and index else index
+    def _index_chooses(self, x: torch.Tensor, index: Any) -> bool:
+        """Whether a ``[]`` index picks dimension 0 of ``x`` by a derived tensor (or a list holding one): the entry
+        at dimension 0, after leading ``None``s, or after an ``...`` that stands for no dimension (``h[None, m]``,
+        ``h[..., m, :]``)."""
+        first = row_owners.dim0_entry(x, index)
         if isinstance(first, torch.Tensor):
             return first in self.derived
         if isinstance(first, (list, tuple)):
-            return any(isinstance(x, torch.Tensor) and x in self.derived for x in first)
+            return any(isinstance(y, torch.Tensor) and y in self.derived for y in first)
+        return False
+
+    def _contracts_rows(self, func: Any, args: tuple[Any, ...]) -> bool:
+        """Whether a product of two derived tensors sums over the rows (dimension 0) of one of them: rows combined
+        by weights computed from the data, a choice (``F.one_hot(idx) @ flat``, ``torch.einsum("nr,rd->nd", ...)``,
+        ``torch.sparse.mm``). A batched product (``(B, h, T, T) @ (B, h, T, d)``, attention) sums over a later
+        dimension."""
+        d = self.derived
+        if func in _ROW_PRODUCTS:
+            first = {_T.__rmatmul__: 1, torch.addmm: 1, _T.addmm: 1}.get(func, 0)
+            a = args[first] if len(args) > first else None
+            b = (args[0] if func is _T.__rmatmul__ else args[first + 1]) if len(args) > first + 1 else None
+            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a in d and b in d
+                    and 1 <= b.dim() <= 2 and self.batch is not None and b.shape[0] % self.batch == 0)
+        if func is torch.einsum and args and isinstance(args[0], str) and "->" in args[0]:
+            ins, out = args[0].replace(" ", "").split("->")
+            ops = [t for t in (args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])]
+            derived = [(spec, t) for spec, t in zip(ins.split(","), ops, strict=False)
+                       if isinstance(t, torch.Tensor) and t in d]
+            return len(derived) >= 2 and any(spec and spec[0] != "." and spec[0] not in out for spec, _ in derived)
         return False
 
 

@@ -109,7 +109,7 @@ def _rows_of_index(first: Any) -> torch.Tensor | None:
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return None
     first = first.detach().cpu()
-    if first.dtype == torch.bool:
+    if first.dtype in (torch.bool, torch.uint8):  # (a uint8 index is a mask, as for torch's indexing)
         return first.nonzero()[:, 0]
     if first.is_floating_point() or first.is_complex():
         return None
@@ -120,18 +120,65 @@ def _index_tuple(index: Any) -> tuple[Any, ...]:
     return index if isinstance(index, tuple) else (index,)
 
 
+def _consumed(entry: Any) -> int:
+    """How many dimensions of the indexed tensor an index entry stands for."""
+    if entry is None or entry is Ellipsis:
+        return 0
+    if isinstance(entry, torch.Tensor) and entry.dtype in (torch.bool, torch.uint8):
+        return max(entry.dim(), 1)
+    return 1
+
+
+def dim0_entry(x: torch.Tensor, index: Any) -> Any:
+    """The entry of ``x[index]`` that picks along ``x``'s dimension 0: the first after leading ``None``s; after an
+    ``...``, the next one when ``...`` stands for no dimension (``h[..., m, :]`` with ``m`` over the leading
+    dimensions), else ``None`` (dimension 0 is in the ``...``)."""
+    idx = [e for e in _index_tuple(index)]
+    while idx and idx[0] is None:
+        idx.pop(0)
+    if not idx:
+        return None
+    if idx[0] is Ellipsis:
+        rest = idx[1:]
+        if sum(_consumed(e) for e in rest) < x.dim():
+            return None
+        rest = [e for e in rest if e is not None]
+        return rest[0] if rest else None
+    return idx[0]
+
+
 def _plain(rest: tuple[Any, ...]) -> bool:
     """Whether the other entries of an index only pick along later dimensions (slices, ``...``, ``None``, ints)."""
     return all(r is None or r is Ellipsis or isinstance(r, (slice, int)) for r in rest)
 
 
 def selected(base: torch.Tensor | None, index: Any, out: torch.Tensor) -> torch.Tensor | None:
-    """The owners of ``x[index]`` (``index`` choosing dimension 0 first: a mask, an integer tensor or list), for
-    ``base`` the owners of ``x``'s rows."""
+    """The owners of ``x[index]`` (``index`` choosing dimension 0 first: a mask, an integer tensor or list, or
+    several of them broadcast together, ``x[b, t]`` with ``b, t = m.nonzero(as_tuple=True)``), for ``base`` the
+    owners of ``x``'s rows."""
     idx = _index_tuple(index)
-    if base is None or not idx or not _plain(idx[1:]):
+    if base is None or not idx:
         return None
-    rows = _rows_of_index(idx[0])
+    lead = 0  # the advanced entries at the front: they pick together, their broadcast shape leads the result
+    while lead < len(idx) and isinstance(idx[lead], (torch.Tensor, list)):
+        lead += 1
+    if lead == 0 or not _plain(idx[lead:]):
+        return None
+    if lead == 1:
+        rows = _rows_of_index(idx[0])
+    else:
+        first = idx[0]
+        if isinstance(first, list):
+            first = torch.tensor(first) if all(isinstance(v, int) for v in first) else None
+        if not isinstance(first, torch.Tensor) or first.dtype in (torch.bool, torch.uint8):
+            return None
+        try:
+            others = [torch.as_tensor(e) if isinstance(e, list) else e for e in idx[1:lead]]
+            if any(e.dtype in (torch.bool, torch.uint8) for e in others):
+                return None
+            rows = torch.broadcast_tensors(first.detach().cpu().long(), *[e.detach().cpu() for e in others])[0]
+        except (RuntimeError, TypeError, ValueError):
+            return None
     if rows is None:
         return None
     try:
@@ -143,7 +190,7 @@ def selected(base: torch.Tensor | None, index: Any, out: torch.Tensor) -> torch.
         if not bool((flat == flat[:, :1]).all()):
             return None
         own = flat[:, 0]
-    return own if out.dim() >= 1 and out.shape[0] == own.shape[0] else None
+    return own if out.dim() >= 1 and own.dim() == 1 and out.shape[0] == own.shape[0] else None
 
 
 def written(slots: torch.Tensor | None, index: Any, src_owners: torch.Tensor | None) -> torch.Tensor | None:
@@ -362,5 +409,5 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
     return own
 
 
-__all__ = ["CONSTANT", "NO_SAMPLE", "carried", "indexed", "masked_written", "natural", "rowwise", "scattered",
-           "selected", "written"]
+__all__ = ["CONSTANT", "NO_SAMPLE", "carried", "dim0_entry", "indexed", "masked_written", "natural", "rowwise",
+           "scattered", "selected", "written"]

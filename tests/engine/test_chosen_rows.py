@@ -206,3 +206,157 @@ def test_random_masks_are_exact_or_refused(counts, back):
         opt.step()
         for n in names:
             torch.testing.assert_close(params[n].grad, want[n], rtol=1e-6, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- a red-team pass's cases (2026-11-27)
+
+
+def _outcomes(model, counts_list, *, mode="BK-MixOpt"):
+    """One engine over one batch per entry of ``counts_list``: each step is "exact" (equal to its own oracle, checked
+    here) or "refused" (a RuntimeError at its forward or backward pass, nothing released). Never released wrong."""
+    g = torch.Generator().manual_seed(11)
+    steps = [[_batch(c, g)] for c in counts_list]
+    template = copy.deepcopy(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    engine = make_engine(model, batch_size=B, R=1.0, fn="abadi", style="all-layer", mode=mode, reduction="mean")
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD([params[n] for n in names], lr=0.05)
+    engine.attach(opt)
+    out = []
+    for batches in steps:
+        opt.zero_grad(set_to_none=True)
+        (x, y), = batches
+        om = synced_copy(template, model)
+        want = clipped_sum(per_sample_grads(om, mse_loss, batches, names), make_groups(om, "all-layer", names),
+                           "abadi", 1.0, B)
+        try:
+            user_loss(mse_loss(model(*x), y), "mean").backward()
+        except RuntimeError:
+            out.append("refused")
+            continue
+        opt.step()
+        for n in names:
+            torch.testing.assert_close(params[n].grad, want[n], rtol=1e-6, atol=1e-10)
+        out.append("exact")
+    return out
+
+
+def _choose(name, h, m):
+    """``h`` (B, T, d), ``m`` (B, T) bool: the real tokens' rows, in the order of ``h[m]``, chosen in other ways."""
+    n = h.shape[0]
+    flat, idx = h.reshape(-1, DIM), m.reshape(-1).nonzero().squeeze(1)
+    if name == "h[None, m].squeeze(0)":
+        return h[None, m].squeeze(0)
+    if name == "h[..., m, :]":
+        return h[..., m, :]
+    if name == "one_hot(idx) @ flat":
+        return torch.nn.functional.one_hot(idx, n * T).to(h.dtype) @ flat
+    if name == "einsum one-hot":
+        return torch.einsum("nr,rd->nd", torch.nn.functional.one_hot(idx, n * T).to(h.dtype), flat)
+    if name == "embedding_bag":
+        return torch.nn.functional.embedding_bag(idx[:, None], flat, mode="sum")
+    if name == "vstack of parts":  # (an order read on the host)
+        return torch.vstack([h[i, j] for i, j in m.nonzero().tolist()]) if bool(m.any()) else flat[:0]
+    if name == "h[m.nonzero(as_tuple=True)]":
+        return h[m.nonzero(as_tuple=True)]
+    if name == "h[torch.where(m)]":
+        return h[torch.where(m)]
+    if name == "h[m.byte()]":
+        return h[m.byte()]
+    raise ValueError(name)
+
+
+class Chooser(nn.Module):
+    """``fc`` (called with its input by keyword: ``fc(input=...)`` with ``kw``) on rows chosen by ``_choose``,
+    written back into ``(B, d)`` by each row's sample."""
+
+    def __init__(self, name, kw=False):
+        super().__init__()
+        self.emb, self.fc, self.name, self.kw = nn.Embedding(V, DIM), nn.Linear(DIM, DIM), name, kw
+
+    def forward(self, ids, mask):
+        m = mask.bool()
+        rows = _choose(self.name, self.emb(ids), m) if self.name != "h[m]" else self.emb(ids)[m]
+        f = torch.tanh(self.fc(input=rows) if self.kw else self.fc(rows))
+        pooled = torch.zeros(ids.shape[0], DIM, dtype=f.dtype).index_add(0, m.nonzero()[:, 0], f)
+        return pooled[:, :2]
+
+
+UNFOLLOWED = ["h[None, m].squeeze(0)", "h[..., m, :]", "one_hot(idx) @ flat", "einsum one-hot", "embedding_bag",
+              "vstack of parts"]
+FOLLOWED = ["h[m.nonzero(as_tuple=True)]", "h[torch.where(m)]", "h[m.byte()]"]
+
+
+@pytest.mark.parametrize("name", UNFOLLOWED)
+def test_choices_in_other_forms_are_never_released_wrong(name):
+    """Rows chosen in forms the guard did not see as choices (an index behind ``None`` or ``...``, a product with a
+    one-hot matrix, ``embedding_bag`` of the hidden states, ``vstack`` of rows in an order read on the host): the
+    later batch whose rows are not one per sample was released 10-15 % off the oracle. Now refused (the first batch
+    too where the owners are lost)."""
+    torch.manual_seed(12)
+    out = _outcomes(Chooser(name).to(D), [[1, 1, 1], [2, 0, 1], [0, 1, 2]])
+    assert out[1:] == ["refused", "refused"], out
+
+
+@pytest.mark.parametrize("name", FOLLOWED)
+def test_choices_by_coordinates_are_followed(name):
+    """``h[m.nonzero(as_tuple=True)]``, ``h[torch.where(m)]`` and a uint8 mask are ``h[m]``: exact while each sample
+    has one row, refused when not (they were refused at every batch)."""
+    torch.manual_seed(13)
+    assert _outcomes(Chooser(name).to(D), [[1, 1, 1], [2, 0, 1], [1, 1, 1]]) == ["exact", "refused", "exact"]
+
+
+def test_layer_input_given_by_keyword_is_checked():
+    """``fc(input=h[m])``: the hook saw only positional inputs, so a later batch of mixed rows was released (7-20 %
+    off the oracle), also as a fold."""
+    torch.manual_seed(14)
+    assert _outcomes(Chooser("h[m]", kw=True).to(D), [[1, 1, 1], [2, 0, 1]]) == ["exact", "refused"]
+
+
+class ViewWrite(nn.Module):
+    """Rows written back by position through a view of the buffer the head reads (right only for one row per
+    sample)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.emb, self.fc, self.head, self.how = nn.Embedding(V, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 2), how
+        self.fc.requires_grad_(False)
+
+    def forward(self, ids, mask):
+        m = mask.bool()
+        f = torch.tanh(self.fc(self.emb(ids)[m]))
+        pooled = torch.zeros(ids.shape[0], DIM, dtype=f.dtype)
+        pos = torch.arange(f.shape[0]) % ids.shape[0]
+        if self.how == "view":
+            pooled.view(ids.shape[0], DIM).index_add_(0, pos, f)
+        else:
+            pooled[:][pos] = f
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("how", ["view", "slice"])
+def test_writes_through_a_view_are_followed(how):
+    """An in-place write into a view writes into the tensor it views: marked too (released 0.8-1.6 off before)."""
+    torch.manual_seed(15)
+    assert _outcomes(ViewWrite(how).to(D), [[1, 1, 1], [2, 1, 0]]) == ["exact", "refused"]
+
+
+class FlipWhere(nn.Module):
+    """A flag read from the data chooses between the rows and the rows reversed (and reverses back after fc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(V, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids).mean(1)
+        flag = (mask.sum() % 2 == 1).reshape(1, 1)
+        y = torch.tanh(self.fc(torch.where(flag, h.flip(0), h)))
+        return torch.where(flag, y.flip(0), y)[:, :2]
+
+
+def test_a_choice_between_row_orders_is_refused():
+    """``torch.where(flag, h.flip(0), h)`` with a flag from the data: the probe's batch cannot tell, so it is a choice
+    (released 8-15 % off before on the batches whose flag differed from the probe's)."""
+    torch.manual_seed(16)
+    assert set(_outcomes(FlipWhere().to(D), [[1, 2, 3], [3, 1, 2], [3, 2, 1]])) == {"refused"}
