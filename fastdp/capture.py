@@ -560,12 +560,13 @@ def _check_trainable(engine: Any) -> None:
     GPT-2 on a CPU); the step checks it again (:mod:`fastdp.release`)."""
     changed = trainable_change(engine.model, engine.plan)
     if changed is not None:
+        engine._release.discard()  # (sums of the old trainable set; update_trainable() needs none pending)
         raise RuntimeError(
             f"{changed}: the engine would not clip or noise a parameter it does not know, and an optimizer it is not "
             "attached to would update it with its ordinary gradient. Call engine.update_trainable() after freezing "
             "or unfreezing parameters (peft's set_adapter() does), before the next forward pass; to step them with "
             "another optimizer: engine.detach(), engine.update_trainable(), engine.attach(that_optimizer). "
-            "Nothing of this call was recorded.")
+            "Nothing of this call was recorded, and this step's accumulated gradients were discarded.")
 
 
 def _batchnorm_guard(mname: str, module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -40,6 +40,18 @@ def broadcast_fold(cap: Any) -> int:
     return cap.roots[-1].last_fold if cap.roots else 1
 
 
+def _refused(cap: Any, message: str) -> RuntimeError:
+    """A refusal of this call that depends on the batch's data (the same batch is refused again): the logical step's
+    gradients accumulated from earlier batches are discarded with it, so that skipping the batch does not carry
+    them into the next step, whose sampled batch they are not (the accountant would count that step's sampling
+    rate too low). Not in the structure probe's passes, which raise inside the probe."""
+    if not cap.probe.running and cap.engine._release.holds_gradients():
+        cap.engine._release.discard()
+        message += (" The gradients this step accumulated from earlier batches were discarded too (nothing of them "
+                    "is released or accounted): start the step again with the next batch.")
+    return RuntimeError(message)
+
+
 def _guard(cap: Any) -> Any:
     return next((f.guard for f in reversed(cap.roots) if f.guard is not None), None)
 
@@ -58,7 +70,7 @@ def check_chosen_rows(cap: Any, module: nn.Module, label: str, B: int | None, in
         return
     reason = guard.unowned(inputs, B, 1)
     if reason is not None:
-        raise RuntimeError(
+        raise _refused(cap,
             f"module {label!r} ({type(module).__name__}) takes row i of its input as sample i's (batch size {B}), "
             f"but the rows were chosen by the data (selected, gathered or scattered at indices computed from the "
             f"inputs, e.g. h[mask]) and {reason}: its per-sample gradients would mix samples. Keep the padded "
@@ -107,7 +119,7 @@ def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, 
     if guard is not None and guard.row_chosen(inputs) and cap.probe.running:
         cap.probe.chooses.add(cap.probe.sig)
     if reason is not None:
-        raise RuntimeError(
+        raise _refused(cap,
             f"{head}, but its rows were chosen by the data (selected, gathered, sorted or scattered at indices "
             f"computed from the inputs, e.g. h[mask] to drop padding) and {reason}: they cannot be taken as "
             f"{k} rows per sample. Keep the padded (B, T, ...) layout (mask the padding instead of dropping it), or "
@@ -127,7 +139,7 @@ def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, 
     rules = cap.probe.folds.get(sig, {}).get(id(module), set())
     if not batchdim.fold_follows(rules, k, cap.roots[0].sizes):
         seen = sorted(r[1] for r in rules if r[0] == "const")
-        raise RuntimeError(
+        raise _refused(cap,
             f"{head}, but the structure probe saw {'fold factors ' + str(seen) if seen else 'no fold'} there "
             f"for this input signature, and {k} is neither one of them nor the same product of the inputs' "
             f"sizes {list(cap.roots[0].sizes)}: its rows depend on something other than the batch's shape (tokens "

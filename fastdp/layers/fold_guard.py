@@ -97,6 +97,14 @@ _WRITES = {_T.__setitem__, torch.index_add, _T.index_add, _T.index_add_, torch.i
            _T.scatter_reduce_}
 #: functions that reorder rows by their shapes along the dimensions they are given: the position of ``dims``
 _REORDERS = {torch.flip: 1, _T.flip: 1, torch.roll: 2, _T.roll: 2}
+#: functions that can move another dimension to dimension 0 (:func:`row_owners.keeps_dim0` says whether they did)
+_MOVES = {torch.permute, _T.permute, torch.transpose, _T.transpose, torch.swapaxes, _T.swapaxes, torch.swapdims,
+          _T.swapdims, torch.t, _T.t, torch.movedim, _T.movedim, torch.moveaxis, _T.moveaxis} | {
+    getattr(_T, n).__get__ for n in ("T", "mT") if hasattr(getattr(_T, n, None), "__get__")}
+#: functions whose result keeps its argument's dimension 0 as it is (reshapes, copies, casts)
+_KEEP_MOVED = {torch.reshape, _T.reshape, _T.view, _T.contiguous, _T.clone, torch.clone, _T.to, _T.float,
+               _T.double, _T.half, _T.bfloat16, _T.type_as, torch.flatten, _T.flatten, torch.unflatten, _T.unflatten,
+               _T.view_as, _T.reshape_as, _T.detach, torch.detach}
 #: :meth:`RowGuard._joined` along a dimension other than 0
 _NOT_JOINED = object()
 #: the choices of :data:`_ALONG_DIM` that read rows (the others write them)
@@ -192,6 +200,8 @@ class RowGuard(TorchFunctionMode):
         #: from them: not checked at a layer's call (the structure probe verifies them), but their owners are
         #: followed, so that joining them back along dimension 0 (``torch.cat``, ``torch.stack``) is checked
         self.parts = _Marks()
+        #: tensors whose dimension 0 is another dimension moved there (not cut into parts)
+        self.moved = _Marks()
         self.batch: int | None = None
         #: id of a row-chosen tensor -> (a weak reference to it, its rows' owners or None: not known)
         self._owners: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
@@ -258,6 +268,7 @@ class RowGuard(TorchFunctionMode):
             targets.append(args[0])  # written in place (in-place methods return their target)
         for t in targets:
             self.derived.add(t)
+        self._note_moved(func, args, kwargs, targets)
         if chosen_in or chooses:
             for t in targets:
                 own = self._after(func, args, kwargs, t, ins, chooses)
@@ -276,6 +287,19 @@ class RowGuard(TorchFunctionMode):
                 self._write_through(t, args, own, marks)
         return out
 
+    def _note_moved(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    targets: list[torch.Tensor]) -> None:
+        """Mark results whose dimension 0 is another dimension moved there (``permute``, ``transpose``, ``t``,
+        ``movedim``), and reshapes, copies and views of such results."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or x.dim() < 2:
+            return
+        moved = (x in self.moved and func in _KEEP_MOVED) or (
+            func in _MOVES and not row_owners.keeps_dim0(func, args, kwargs, x))
+        if moved:
+            for t in targets:
+                self.moved.add(t)
+
     def _write_through(self, t: torch.Tensor, args: tuple[Any, ...], own: torch.Tensor | None, marks: _Marks) -> None:
         """An in-place write into a view (``buf.view(n, d).index_add_(...)``, ``buf[:][idx] = f``) writes into the
         tensor it views: that one is marked too, with the same owners when it has the view's shape."""
@@ -289,9 +313,10 @@ class RowGuard(TorchFunctionMode):
             base = view_base(base)
 
     def _splits(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether ``func`` cuts rows of a derived tensor along dimension 0 by their shapes (a part)."""
+        """Whether ``func`` cuts rows of a derived tensor along dimension 0 by their shapes (a part). Not a tensor
+        whose dimension 0 was moved there (:meth:`_note_moved`: not the batch's rows)."""
         x = args[0] if args else None
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x not in self.derived:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x not in self.derived or x in self.moved:
             return False
         if func is _T.__getitem__:
             first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
@@ -485,7 +510,7 @@ class RowGuard(TorchFunctionMode):
             return self._contracts_rows(func, args)
         if func in _OTHER_STACKS:  # (vstack of rows, hstack of 1-D pieces: along dimension 0)
             parts = [t for t in _arg(args, kwargs, 0, ("tensors",), ()) if isinstance(t, torch.Tensor)]
-            return any(t in self.parts or t in self.chosen for t in parts) or (
+            return any(t in self.chosen for t in parts) or self._known_parts(parts) or (
                 func in (torch.vstack, torch.row_stack) and len({t.shape[0] for t in parts if t.dim() > 1}) > 1
                 and any(t in d for t in parts))
         if func in _CAT or func is torch.stack:
@@ -495,12 +520,19 @@ class RowGuard(TorchFunctionMode):
             if not parts or not isinstance(dim, int) or not any(t in d for t in parts):
                 return False
             if func is torch.stack:  # pieces of samples stacked into rows: which sample each is must be followed
-                return dim in (0, -parts[0].dim() - 1) and any(t in self.parts for t in parts)
+                return dim in (0, -parts[0].dim() - 1) and self._known_parts(parts)
             # pieces of different leading sizes (cut per sample at lengths read from the data), or parts of the
             # batch's rows joined back (h[j] for j in an order read from the data)
             return all(_dim0(t, dim) for t in parts) and (
-                len({t.shape[0] for t in parts}) > 1 or any(t in self.parts for t in parts))
+                len({t.shape[0] for t in parts}) > 1 or self._known_parts(parts))
         return False
+
+    def _known_parts(self, pieces: list[torch.Tensor]) -> bool:
+        """Whether pieces joined along dimension 0 hold parts of the batch's rows, all with known owners (a join of
+        pieces whose owners are not known, parts of a tensor whose dimension 0 is not the batch (``q, k, v =
+        qkv.permute(2, 0, ...).unbind(0)``), is left to the structure probe, as any shape-determined layout)."""
+        return any(t in self.parts for t in pieces) and all(
+            self.owners(t) is not None for t in pieces if t in self.parts or t in self.chosen)
 
     def _index_chooses(self, x: torch.Tensor, index: Any) -> bool:
         """Whether a ``[]`` index picks dimension 0 of ``x`` by a derived tensor (or a list holding one): the entry

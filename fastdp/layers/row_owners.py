@@ -244,8 +244,9 @@ def _regrouped(own: torch.Tensor, rows: int) -> torch.Tensor | None:
     return None
 
 
-def _keeps_dim0(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], first: torch.Tensor) -> bool:
-    """Whether ``func`` leaves dimension 0 of its first argument ``first`` where it is and unmixed."""
+def keeps_dim0(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], first: torch.Tensor) -> bool:
+    """Whether ``func`` leaves dimension 0 of its first argument ``first`` where it is and unmixed (``T`` and
+    ``mT`` of a 2-D tensor, ``t``, ``movedim``: never)."""
     if func in _LOST:
         return False
     ndim = first.dim()
@@ -386,7 +387,7 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
         own = owners[id(lead)]
         wider = lead.dim() < out.dim() and any(isinstance(a, torch.Tensor) and a is not lead and a.dim() == out.dim()
                                                for a in args)
-        if lead is subject and (not _keeps_dim0(func, args, kwargs, lead) or (wider and func not in _RESHAPES)):
+        if lead is subject and (not keeps_dim0(func, args, kwargs, lead) or (wider and func not in _RESHAPES)):
             return None  # dimension 0 moved or mixed; or broadcast against a wider operand (its rows then spread
             # along a later dimension of the result); (a lookup, F.embedding(ids, table), adds trailing dimensions)
         for a in chosen:
@@ -409,5 +410,5 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
     return own
 
 
-__all__ = ["CONSTANT", "NO_SAMPLE", "carried", "dim0_entry", "indexed", "masked_written", "natural", "rowwise",
-           "scattered", "selected", "written"]
+__all__ = ["CONSTANT", "NO_SAMPLE", "carried", "dim0_entry", "indexed", "keeps_dim0", "masked_written", "natural",
+           "rowwise", "scattered", "selected", "written"]

@@ -122,3 +122,15 @@ def test_timm_full_grid_slow(name, mode, fn, style):
         model, data = resnet_gn(12), images([3, 1], 13, 24)
     red = ["mean", "sum"][(MODES.index(mode) + FNS.index(fn)) % 2]
     check_engine(model, cls_loss, data, mode=mode, fn=fn, style=style, reduction=red)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vit_parallel_blocks(mode):
+    """timm's ViT with parallel blocks (``torch.stack([attn(x) for attn in self.attns]).sum(0)``) at batch sizes 3
+    and 1: each attention unbinds ``q, k, v`` along the dimension that ``permute`` moved to 0, which the guard of
+    rows chosen by the data took as the batch's rows, then refused the stack of the branches as rows joined back
+    (a false refusal, found by a red-team pass). Exact."""
+    from timm.models.vision_transformer import ParallelThingsBlock
+
+    model = vit(seed=3, block_fn=ParallelThingsBlock)
+    check_engine(model, cls_loss, images([3, 1], 40 + MODES.index(mode), 16), mode=mode)
