@@ -360,3 +360,32 @@ def test_a_choice_between_row_orders_is_refused():
     (released 8-15 % off before on the batches whose flag differed from the probe's)."""
     torch.manual_seed(16)
     assert set(_outcomes(FlipWhere().to(D), [[1, 2, 3], [3, 1, 2], [3, 2, 1]])) == {"refused"}
+
+
+def test_a_refused_micro_batch_discards_the_step():
+    """Two micro-batches, the second refused (its rows are not one per sample); the user skips it and goes on with
+    the next step. The first micro-batch's clipped sums used to stay and be released with the next step, whose
+    sampled batch they are not (0.76 off that step's oracle in a red-team run): a refusal that depends on the batch's
+    data discards the step, and says so. The next step equals its own oracle."""
+    torch.manual_seed(17)
+    g = torch.Generator().manual_seed(18)
+    model = PickRows().to(D)
+    template = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+    engine = make_engine(model, batch_size=B, R=1.0, fn="abadi", style="all-layer", mode="BK-MixOpt",
+                         reduction="mean")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    engine.attach(opt)
+    first, mixed, nxt = _batch([1, 1, 1], g), _batch([2, 0, 1], g), _batch([1, 1, 1], g)
+    user_loss(mse_loss(model(*first[0]), first[1]), "mean").backward()
+    with pytest.raises(RuntimeError, match="accumulated from earlier batches were discarded too"):
+        model(*mixed[0])
+    opt.zero_grad(set_to_none=True)
+    om = synced_copy(template, model)
+    want = clipped_sum(per_sample_grads(om, mse_loss, [nxt], names), make_groups(om, "all-layer", names), "abadi",
+                       1.0, B)
+    user_loss(mse_loss(model(*nxt[0]), nxt[1]), "mean").backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-10)
+    assert engine.steps == 1
