@@ -556,8 +556,8 @@ def _check_trainable(engine: Any) -> None:
     """Refuse a forward call (with autograd on) after the model's trainable set changed without
     ``engine.update_trainable()``: a parameter unfrozen since (peft's ``set_adapter``, ``requires_grad_(True)``) has no
     hook, so an optimizer the engine is not attached to would update it with its ordinary gradient, unclipped and
-    unnoised. Checked at every outermost forward call (a walk of the model's parameters: about 0.2 ms for a 12-layer
-    GPT-2 on a CPU); the step checks it again (:mod:`fastdp.release`)."""
+    unnoised. Checked at every outermost forward call (a walk of the model's parameters); the step checks it again
+    (:mod:`fastdp.release`)."""
     changed = trainable_change(engine.model, engine.plan)
     if changed is not None:
         engine._release.discard()  # (sums of the old trainable set; update_trainable() needs none pending)
