@@ -52,82 +52,37 @@ from typing import Any
 import torch
 
 from fastdp.layers import row_owners
+from fastdp.layers.row_functions import (
+    ALONG_DIM,
+    BY_INDEX,
+    BY_VALUE,
+    CAT,
+    FACTORIES,
+    INDEX_PUT,
+    KEEP_MOVED,
+    LOOKUP,
+    MASKED_SCATTER,
+    MOVES,
+    OTHER_STACKS,
+    PARTS,
+    REORDERS,
+    ROW_PRODUCTS,
+    SCATTERS,
+    SELECTS,
+    SKIP,
+    WHERE,
+    WRITES,
+    arg_of,
+    is_dim0,
+    lookup_args,
+    tensors_of,
+)
 from fastdp.torch_api import TorchFunctionMode, tree_flatten, view_base
 
 _T = torch.Tensor
 _F = torch.nn.functional
-#: functions that choose rows along a dimension by an index argument: (position of ``dim``, its default, position
-#: of the index); the rows come from the first argument (and a ``src``/``source``/``values`` argument if any)
-_ALONG_DIM = {
-    **dict.fromkeys((torch.index_select, _T.index_select, torch.gather, _T.gather), (1, None, 2)),
-    **dict.fromkeys((torch.take_along_dim, _T.take_along_dim), (2, None, 1)),
-    **dict.fromkeys((torch.scatter, _T.scatter, _T.scatter_, torch.scatter_add, _T.scatter_add, _T.scatter_add_,
-                     torch.scatter_reduce, _T.scatter_reduce, _T.scatter_reduce_, torch.index_add, _T.index_add,
-                     _T.index_add_, torch.index_copy, _T.index_copy, _T.index_copy_, torch.index_fill, _T.index_fill,
-                     _T.index_fill_, torch.index_reduce, _T.index_reduce, _T.index_reduce_), (1, None, 2)),
-}
-#: functions whose second argument (flat indices, a mask, repeats) chooses the first argument's elements or rows
-_BY_INDEX = {torch.take, _T.take, torch.masked_select, _T.masked_select, _T.masked_scatter, _T.masked_scatter_,
-             torch.masked_scatter, torch.index_put, _T.index_put, _T.index_put_, torch.repeat_interleave,
-             _T.repeat_interleave, _T.put, _T.put_, torch.put}
-#: functions that reorder or choose rows by their values along ``dim``: (position of ``dim``, its default; ``None``:
-#: the flattened input)
-_BY_VALUE = {torch.sort: (1, -1), _T.sort: (1, -1), torch.argsort: (1, -1), _T.argsort: (1, -1),
-             torch.topk: (2, -1), _T.topk: (2, -1), torch.kthvalue: (2, -1), _T.kthvalue: (2, -1),
-             torch.msort: (99, 0), _T.msort: (99, 0), torch.unique: (4, None), _T.unique: (4, None),
-             torch.unique_consecutive: (3, None), _T.unique_consecutive: (3, None)}
-_CAT = {torch.cat, torch.concat, torch.concatenate}
-#: products whose second operand's rows (dimension 0 of a 1-D or 2-D tensor) are summed over
-_ROW_PRODUCTS = {torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.sparse.mm,
-                 torch.mv, _T.mv, torch.addmm, _T.addmm}
-#: joins other than cat and stack
-_OTHER_STACKS = {torch.vstack, torch.row_stack, torch.hstack, torch.dstack, torch.column_stack}
-#: the selection between two tensors by a condition
-_WHERE = {torch.where, _T.where}
-#: functions that cut a tensor into parts along a dimension: (position of ``dim``, its default)
-_PARTS = {**dict.fromkeys((torch.chunk, _T.chunk, torch.split, _T.split, torch.tensor_split, _T.tensor_split),
-                          (2, 0)),
-          **dict.fromkeys((torch.unbind, _T.unbind), (1, 0)),
-          **dict.fromkeys((torch.narrow, _T.narrow, torch.select, _T.select), (1, None))}
-#: writes of rows into a tensor
-_WRITES = {_T.__setitem__, torch.index_add, _T.index_add, _T.index_add_, torch.index_copy, _T.index_copy,
-           _T.index_copy_, torch.index_reduce, _T.index_reduce, _T.index_reduce_, torch.index_put, _T.index_put,
-           _T.index_put_, _T.masked_scatter, _T.masked_scatter_, torch.masked_scatter, torch.scatter, _T.scatter,
-           _T.scatter_, torch.scatter_add, _T.scatter_add, _T.scatter_add_, torch.scatter_reduce, _T.scatter_reduce,
-           _T.scatter_reduce_}
-#: functions that reorder rows by their shapes along the dimensions they are given: the position of ``dims``
-_REORDERS = {torch.flip: 1, _T.flip: 1, torch.roll: 2, _T.roll: 2}
-#: functions that can move another dimension to dimension 0 (:func:`row_owners.keeps_dim0` says whether they did)
-_MOVES = {torch.permute, _T.permute, torch.transpose, _T.transpose, torch.swapaxes, _T.swapaxes, torch.swapdims,
-          _T.swapdims, torch.t, _T.t, torch.movedim, _T.movedim, torch.moveaxis, _T.moveaxis} | {
-    getattr(_T, n).__get__ for n in ("T", "mT") if hasattr(getattr(_T, n, None), "__get__")}
-#: functions whose result keeps its argument's dimension 0 as it is (reshapes, copies, casts)
-_KEEP_MOVED = {torch.reshape, _T.reshape, _T.view, _T.contiguous, _T.clone, torch.clone, _T.to, _T.float,
-               _T.double, _T.half, _T.bfloat16, _T.type_as, torch.flatten, _T.flatten, torch.unflatten, _T.unflatten,
-               _T.view_as, _T.reshape_as, _T.detach, torch.detach}
 #: :meth:`RowGuard._joined` along a dimension other than 0
 _NOT_JOINED = object()
-#: the choices of :data:`_ALONG_DIM` that read rows (the others write them)
-_SELECTS = {torch.index_select, _T.index_select, torch.gather, _T.gather, torch.take_along_dim, _T.take_along_dim}
-_SCATTERS = {torch.scatter, _T.scatter, _T.scatter_, torch.scatter_add, _T.scatter_add, _T.scatter_add_,
-             torch.scatter_reduce, _T.scatter_reduce, _T.scatter_reduce_}
-_MASKED_SCATTER = {_T.masked_scatter, _T.masked_scatter_, torch.masked_scatter}
-_INDEX_PUT = {torch.index_put, _T.index_put, _T.index_put_}
-#: table lookups: ``(index, table)``; the rows of a derived table chosen at derived indices
-_LOOKUP = {_F.embedding, torch.embedding, _F.embedding_bag, torch.embedding_bag}
-#: new tensors of a given size, dtype and device, whatever the values of their tensor argument: not derived
-_FACTORIES = {_T.new_ones, _T.new_zeros, _T.new_full, _T.new_empty, torch.zeros_like, torch.ones_like,
-              torch.full_like, torch.empty_like, torch.rand_like, torch.randn_like, torch.randint_like}
-
-#: metadata queries (properties and methods that return sizes, flags, devices): nothing to follow, skipped at once
-_SKIP = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim",
-                                          "layout", "is_cuda", "is_sparse", "is_meta", "is_quantized", "names")
-         if hasattr(getattr(_T, n, None), "__get__")} | {
-    getattr(_T, n) for n in ("dim", "size", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
-                             "is_floating_point", "is_complex", "element_size", "data_ptr", "register_hook",
-                             "__len__", "get_device", "item", "tolist", "__bool__", "__int__", "__float__",
-                             "__index__", "untyped_storage", "_is_view", "is_inference") if hasattr(_T, n)}
-
 
 class _Marks:
     """A set of tensors by identity (weak: a tensor freed leaves it)."""
@@ -145,46 +100,6 @@ class _Marks:
     def __contains__(self, t: Any) -> bool:
         r = self._refs.get(id(t))
         return r is not None and r() is t
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors of a torch function's argument or result: itself, or the items of a tuple, list or dict and of
-    the tuples and lists in them (``torch.cat``'s list, ``index_put``'s indices); deeper ones are not looked at."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        tree = tuple(tree.values())
-    elif not isinstance(tree, (tuple, list)):
-        return []
-    out = []
-    for x in tree:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (tuple, list)):
-            out.extend(y for y in x if isinstance(y, torch.Tensor))
-    return out
-
-
-def _lookup(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``(indices, table)`` of a lookup (``F.embedding(input, weight)``; ``torch.embedding(weight, indices)``)."""
-    if func in (torch.embedding, torch.embedding_bag):
-        return _arg(args, kwargs, 1, ("indices", "input")), _arg(args, kwargs, 0, ("weight",))
-    return _arg(args, kwargs, 0, ("input", "indices")), _arg(args, kwargs, 1, ("weight",))
-
-
-def _dim0(t: Any, dim: Any) -> bool:
-    """Whether ``dim`` (an int, or ``None`` for "flattened") names dimension 0 of ``t``."""
-    if dim is None:
-        return True
-    if not isinstance(dim, int) or not isinstance(t, torch.Tensor):
-        return False
-    return dim == 0 or (t.dim() > 0 and dim == -t.dim())
-
-
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, names: tuple[str, ...], default: Any = None) -> Any:
-    if len(args) > pos:
-        return args[pos]
-    return next((kwargs[n] for n in names if n in kwargs), default)
 
 
 class RowGuard(TorchFunctionMode):
@@ -251,19 +166,19 @@ class RowGuard(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _SKIP or func in _FACTORIES or not self.derived:
+        if func in SKIP or func in FACTORIES or not self.derived:
             return out
-        ins = _tensors(args)
+        ins = tensors_of(args)
         if kwargs:
-            ins += _tensors(kwargs)
+            ins += tensors_of(kwargs)
         if not any(t in self.derived for t in ins):
             return out
         chosen_in = bool(self.chosen) and any(t in self.chosen for t in ins)
         part_in = bool(self.parts) and any(t in self.parts for t in ins)
         # (a write of tracked rows is followed by the write's rule, whatever its index: each written row must be
         # its slot's sample's)
-        chooses = self._chooses(func, args, kwargs) or ((chosen_in or part_in) and func in _WRITES)
-        targets = _tensors(out)
+        chooses = self._chooses(func, args, kwargs) or ((chosen_in or part_in) and func in WRITES)
+        targets = tensors_of(out)
         if func is _T.__setitem__ and args:
             targets.append(args[0])  # written in place (in-place methods return their target)
         for t in targets:
@@ -280,7 +195,7 @@ class RowGuard(TorchFunctionMode):
                 [self._after(func, args, kwargs, t, ins, False) for t in targets]
             for t, own in zip(targets, owners, strict=True):
                 # rows of different orders chosen between by the data (torch.where(flag, h.flip(0), h)): a choice
-                marks = self.chosen if own is None and func in _WHERE and args and args[0] in self.derived else \
+                marks = self.chosen if own is None and func in WHERE and args and args[0] in self.derived else \
                     self.parts
                 marks.add(t)
                 self._set(t, own)
@@ -294,8 +209,8 @@ class RowGuard(TorchFunctionMode):
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is None or x.dim() < 2:
             return
-        moved = (x in self.moved and func in _KEEP_MOVED) or (
-            func in _MOVES and not row_owners.keeps_dim0(func, args, kwargs, x))
+        moved = (x in self.moved and func in KEEP_MOVED) or (
+            func in MOVES and not row_owners.keeps_dim0(func, args, kwargs, x))
         if moved:
             for t in targets:
                 self.moved.add(t)
@@ -322,13 +237,13 @@ class RowGuard(TorchFunctionMode):
             first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
             return (isinstance(first, int) and not isinstance(first, bool)) or (
                 isinstance(first, slice) and first != slice(None))
-        if func in _PARTS:
-            pos, default = _PARTS[func]
-            return _dim0(x, _arg(args, kwargs, pos, ("dim",), default))
-        if func in _REORDERS:  # the rows reordered by the shapes: followed, so that a choice between orders is seen
-            dims = _arg(args, kwargs, _REORDERS[func], ("dims",))
+        if func in PARTS:
+            pos, default = PARTS[func]
+            return is_dim0(x, arg_of(args, kwargs, pos, ("dim",), default))
+        if func in REORDERS:  # the rows reordered by the shapes: followed, so that a choice between orders is seen
+            dims = arg_of(args, kwargs, REORDERS[func], ("dims",))
             dims = dims if isinstance(dims, (tuple, list)) else (dims,) if dims is not None else ()
-            return any(_dim0(x, v) for v in dims if isinstance(v, int))
+            return any(is_dim0(x, v) for v in dims if isinstance(v, int))
         return False
 
     def _split_owners(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -341,19 +256,19 @@ class RowGuard(TorchFunctionMode):
         if func is _T.__getitem__:
             return [row_owners.indexed(base, args[1], x, targets[0])]
         if func in (torch.narrow, _T.narrow):
-            start, length = _arg(args, kwargs, 2, ("start",)), _arg(args, kwargs, 3, ("length",))
+            start, length = arg_of(args, kwargs, 2, ("start",)), arg_of(args, kwargs, 3, ("length",))
             own = base[start:start + length] if isinstance(start, int) and isinstance(length, int) else None
             return [own if own is not None and own.shape[0] == targets[0].shape[0] else None]
         if func in (torch.select, _T.select):
-            i = _arg(args, kwargs, 2, ("index",))
+            i = arg_of(args, kwargs, 2, ("index",))
             t = targets[0]
             return [base[i].expand(t.shape[0]).clone() if isinstance(i, int) and t.dim() else None]
-        if func in _REORDERS:
-            dims = _arg(args, kwargs, _REORDERS[func], ("dims",))
+        if func in REORDERS:
+            dims = arg_of(args, kwargs, REORDERS[func], ("dims",))
             dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
             if func in (torch.flip, _T.flip):
                 return [base.flip(0)] if len(dims) == 1 else [None]
-            shifts = _arg(args, kwargs, 1, ("shifts",))
+            shifts = arg_of(args, kwargs, 1, ("shifts",))
             return [base.roll(shifts, 0)] if isinstance(shifts, int) and len(dims) == 1 else [None]
         if func in (torch.unbind, _T.unbind):
             return [base[j].expand(t.shape[0]).clone() if t.dim() else None for j, t in enumerate(targets)]
@@ -384,7 +299,7 @@ class RowGuard(TorchFunctionMode):
                                    for i in idx):
                 return row_owners.indexed(self.owners(args[0]), args[1], args[0], target)
             return None
-        if func in _CAT or func is torch.stack:
+        if func in CAT or func is torch.stack:
             joined = self._joined(func, args, kwargs, target)
             if joined is not _NOT_JOINED:
                 return joined
@@ -396,11 +311,11 @@ class RowGuard(TorchFunctionMode):
         """The owners of ``torch.cat``/``torch.stack`` along dimension 0: each piece's, joined (a piece of no
         sample's rows, such as a constant, or of rows not known: ``None``); :data:`_NOT_JOINED` along another
         dimension."""
-        pieces = [p for p in (_arg(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
-        dim = _arg(args, kwargs, 1, ("dim", "axis"), 0)
+        pieces = [p for p in (arg_of(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
+        dim = arg_of(args, kwargs, 1, ("dim", "axis"), 0)
         if not pieces or not isinstance(dim, int):
             return None
-        if func in _OTHER_STACKS:
+        if func in OTHER_STACKS:
             if func in (torch.vstack, torch.row_stack):  # 1-D pieces are rows (a stack), others joined along 0
                 own = []
                 for p in pieces:
@@ -425,7 +340,7 @@ class RowGuard(TorchFunctionMode):
                     return None
                 own.append(o[:1])
             return torch.cat(own)
-        if not _dim0(pieces[0], dim):
+        if not is_dim0(pieces[0], dim):
             return _NOT_JOINED
         own = [self.owners(p) if p in self.derived else torch.full((p.shape[0],), row_owners.NO_SAMPLE)
                for p in pieces if p.dim() and p.shape[0]]  # (a constant row: a position table, a class token)
@@ -444,33 +359,33 @@ class RowGuard(TorchFunctionMode):
         if func is _T.__setitem__:
             dest, index, value = args[0], args[1], args[2] if len(args) > 2 else None
             return row_owners.written(self.owners(dest), index, self._source(value))
-        if func in _ALONG_DIM:
-            dim_pos, default, index_pos = _ALONG_DIM[func]
-            src = _arg(args, kwargs, 0, ("input",))
-            index = _arg(args, kwargs, index_pos, ("index", "indices"))
-            if not _dim0(src, _arg(args, kwargs, dim_pos, ("dim",), default)):
-                if func in _SELECTS:  # positions of each row chosen: the rows stay, and the index's are theirs
+        if func in ALONG_DIM:
+            dim_pos, default, index_pos = ALONG_DIM[func]
+            src = arg_of(args, kwargs, 0, ("input",))
+            index = arg_of(args, kwargs, index_pos, ("index", "indices"))
+            if not is_dim0(src, arg_of(args, kwargs, dim_pos, ("dim",), default)):
+                if func in SELECTS:  # positions of each row chosen: the rows stay, and the index's are theirs
                     return row_owners.rowwise(self.owners(src), self._source(index)) if (
                         isinstance(src, torch.Tensor) and target.dim() and src.dim()
                         and target.shape[0] == src.shape[0]) else None
-                value = _arg(args, kwargs, 3, ("source", "src", "value"))
+                value = arg_of(args, kwargs, 3, ("source", "src", "value"))
                 return row_owners.rowwise(self.owners(src), self._source(value))
-            if func in _SELECTS:
+            if func in SELECTS:
                 return row_owners.selected(self.owners(src), (index,), target)
-            value = _arg(args, kwargs, 3, ("source", "src", "value"))
-            if func in _SCATTERS:
+            value = arg_of(args, kwargs, 3, ("source", "src", "value"))
+            if func in SCATTERS:
                 return row_owners.scattered(self.owners(src), src, index, self._source(value), value)
             return row_owners.written(self.owners(src), (index,), self._source(value))
-        if func in _MASKED_SCATTER:
-            value = _arg(args, kwargs, 2, ("source",))
+        if func in MASKED_SCATTER:
+            value = arg_of(args, kwargs, 2, ("source",))
             return row_owners.masked_written(self.owners(args[0]), args[0], args[1], self._source(value), value)
-        if func in _INDEX_PUT:
-            indices, value = _arg(args, kwargs, 1, ("indices",)), _arg(args, kwargs, 2, ("values",))
+        if func in INDEX_PUT:
+            indices, value = arg_of(args, kwargs, 1, ("indices",)), arg_of(args, kwargs, 2, ("values",))
             return row_owners.written(self.owners(args[0]), tuple(indices or ()), self._source(value))
-        if func in _LOOKUP:
-            index, table = _lookup(func, args, kwargs)
+        if func in LOOKUP:
+            index, table = lookup_args(func, args, kwargs)
             return row_owners.selected(self.owners(table), (index,), target)
-        if func in _CAT or func is torch.stack or func in _OTHER_STACKS:
+        if func in CAT or func is torch.stack or func in OTHER_STACKS:
             joined = self._joined(func, args, kwargs, target)
             return None if joined is _NOT_JOINED else joined
         return None
@@ -482,40 +397,41 @@ class RowGuard(TorchFunctionMode):
             src = args[0] if func is _T.__getitem__ else (args[2] if len(args) > 2 else None)
             return (len(args) > 1 and isinstance(args[0], torch.Tensor) and self._index_chooses(args[0], args[1])
                     and (args[0] in d or (isinstance(src, torch.Tensor) and src in d)))
-        if func in _ALONG_DIM:
-            dim_pos, default, index_pos = _ALONG_DIM[func]
-            src = _arg(args, kwargs, 0, ("input",))
-            dim = _arg(args, kwargs, dim_pos, ("dim",), default)
-            index = _arg(args, kwargs, index_pos, ("index", "indices"))
-            rows = [t for t in _tensors(args) + _tensors(kwargs) if t is not index]
-            return (_dim0(src, dim) and isinstance(index, torch.Tensor) and index in d
+        if func in ALONG_DIM:
+            dim_pos, default, index_pos = ALONG_DIM[func]
+            src = arg_of(args, kwargs, 0, ("input",))
+            dim = arg_of(args, kwargs, dim_pos, ("dim",), default)
+            index = arg_of(args, kwargs, index_pos, ("index", "indices"))
+            rows = [t for t in tensors_of(args) + tensors_of(kwargs) if t is not index]
+            return (is_dim0(src, dim) and isinstance(index, torch.Tensor) and index in d
                     and any(t in d for t in rows))
-        if func in _BY_INDEX:
-            index = _tensors(args[1:2]) + [t for k, t in kwargs.items() if k in ("index", "indices", "mask", "repeats")
-                                           and isinstance(t, torch.Tensor)]
-            rows = _tensors(args[:1]) + _tensors(args[2:]) + [kwargs[k] for k in ("source", "values", "input")
+        if func in BY_INDEX:
+            index = tensors_of(args[1:2]) + [t for k, t in kwargs.items()
+                                             if k in ("index", "indices", "mask", "repeats")
+                                             and isinstance(t, torch.Tensor)]
+            rows = tensors_of(args[:1]) + tensors_of(args[2:]) + [kwargs[k] for k in ("source", "values", "input")
                                                                 if isinstance(kwargs.get(k), torch.Tensor)]
             return any(t in d for t in index) and any(t in d for t in rows)
-        if func in _BY_VALUE:
-            src = _arg(args, kwargs, 0, ("input",))
-            pos, default = _BY_VALUE[func]
+        if func in BY_VALUE:
+            src = arg_of(args, kwargs, 0, ("input",))
+            pos, default = BY_VALUE[func]
             # (a 1-D tensor's sort reorders per-sample scalars, such as lengths: rows follow only if its order
             # indexes them, which the index rules see)
             return (src in d and isinstance(src, torch.Tensor) and src.dim() >= 2
-                    and _dim0(src, _arg(args, kwargs, pos, ("dim",), default)))
-        if func in _LOOKUP:
-            index, table = _lookup(func, args, kwargs)
+                    and is_dim0(src, arg_of(args, kwargs, pos, ("dim",), default)))
+        if func in LOOKUP:
+            index, table = lookup_args(func, args, kwargs)
             return isinstance(table, torch.Tensor) and table in d and isinstance(index, torch.Tensor) and index in d
-        if func in _ROW_PRODUCTS or func is torch.einsum:
+        if func in ROW_PRODUCTS or func is torch.einsum:
             return self._contracts_rows(func, args)
-        if func in _OTHER_STACKS:  # (vstack of rows, hstack of 1-D pieces: along dimension 0)
-            parts = [t for t in _arg(args, kwargs, 0, ("tensors",), ()) if isinstance(t, torch.Tensor)]
+        if func in OTHER_STACKS:  # (vstack of rows, hstack of 1-D pieces: along dimension 0)
+            parts = [t for t in arg_of(args, kwargs, 0, ("tensors",), ()) if isinstance(t, torch.Tensor)]
             return any(t in self.chosen for t in parts) or self._known_parts(parts) or (
                 func in (torch.vstack, torch.row_stack) and len({t.shape[0] for t in parts if t.dim() > 1}) > 1
                 and any(t in d for t in parts))
-        if func in _CAT or func is torch.stack:
-            parts = _arg(args, kwargs, 0, ("tensors",), ())
-            dim = _arg(args, kwargs, 1, ("dim",), 0)
+        if func in CAT or func is torch.stack:
+            parts = arg_of(args, kwargs, 0, ("tensors",), ())
+            dim = arg_of(args, kwargs, 1, ("dim",), 0)
             parts = [t for t in parts if isinstance(t, torch.Tensor) and t.dim() > 0]
             if not parts or not isinstance(dim, int) or not any(t in d for t in parts):
                 return False
@@ -523,7 +439,7 @@ class RowGuard(TorchFunctionMode):
                 return dim in (0, -parts[0].dim() - 1) and self._known_parts(parts)
             # pieces of different leading sizes (cut per sample at lengths read from the data), or parts of the
             # batch's rows joined back (h[j] for j in an order read from the data)
-            return all(_dim0(t, dim) for t in parts) and (
+            return all(is_dim0(t, dim) for t in parts) and (
                 len({t.shape[0] for t in parts}) > 1 or self._known_parts(parts))
         return False
 
@@ -551,7 +467,7 @@ class RowGuard(TorchFunctionMode):
         ``torch.sparse.mm``). A batched product (``(B, h, T, T) @ (B, h, T, d)``, attention) sums over a later
         dimension."""
         d = self.derived
-        if func in _ROW_PRODUCTS:
+        if func in ROW_PRODUCTS:
             first = {_T.__rmatmul__: 1, torch.addmm: 1, _T.addmm: 1}.get(func, 0)
             a = args[first] if len(args) > first else None
             b = (args[0] if func is _T.__rmatmul__ else args[first + 1]) if len(args) > first + 1 else None

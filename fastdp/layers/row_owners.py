@@ -37,53 +37,10 @@ from typing import Any
 
 import torch
 
+from fastdp.layers.row_functions import ALONG, CAT, LOST, PERMUTE, PRODUCTS, RESHAPES, SECOND, arg_of, dims_of
+
 _T = torch.Tensor
 _F = torch.nn.functional
-
-#: functions that reduce, scan, sort, split or move along a dimension: the position of the dimension argument, its
-#: names, and its default (``None``: every dimension, or the flattened tensor); dimension 0 among them loses the owners
-_ALONG: dict[Any, tuple[int, tuple[str, ...], Any]] = {
-    **dict.fromkeys((torch.sum, _T.sum, torch.mean, _T.mean, torch.nansum, _T.nansum, torch.nanmean, _T.nanmean,
-                     torch.prod, _T.prod, torch.std, _T.std, torch.var, _T.var, torch.std_mean, torch.var_mean,
-                     torch.amax, _T.amax, torch.amin, _T.amin, torch.max, _T.max, torch.min, _T.min, torch.argmax,
-                     _T.argmax, torch.argmin, _T.argmin, torch.logsumexp, _T.logsumexp, torch.softmax, _T.softmax,
-                     _F.softmax, torch.log_softmax, _T.log_softmax, _F.log_softmax, _F.softmin, torch.cumsum,
-                     _T.cumsum, torch.cumprod, _T.cumprod, torch.cummax, _T.cummax, torch.cummin, _T.cummin,
-                     torch.logcumsumexp, _T.logcumsumexp, torch.median, _T.median, torch.nanmedian, _T.nanmedian,
-                     torch.mode, _T.mode, torch.any, _T.any, torch.all, _T.all, torch.count_nonzero,
-                     _T.count_nonzero, torch.narrow, _T.narrow), (1, ("dim", "axis"), None)),
-    **dict.fromkeys((torch.sort, _T.sort, torch.argsort, _T.argsort, _F.glu), (1, ("dim",), -1)),
-    **dict.fromkeys((torch.unbind, _T.unbind), (1, ("dim",), 0)),
-    **dict.fromkeys((torch.chunk, _T.chunk, torch.split, _T.split, torch.tensor_split, _T.tensor_split),
-                    (2, ("dim",), 0)),
-    **dict.fromkeys((torch.topk, _T.topk, torch.kthvalue, _T.kthvalue, torch.diff, _T.diff, torch.cross,
-                     torch.linalg.cross, _F.cosine_similarity), (2, ("dim",), -1)),
-    **dict.fromkeys((torch.norm, _T.norm, torch.linalg.vector_norm, torch.renorm, _T.renorm), (2, ("dim",), None)),
-    **dict.fromkeys((_F.normalize,), (2, ("dim",), 1)),
-    **dict.fromkeys((torch.roll, _T.roll), (2, ("dims",), None)),
-    **dict.fromkeys((torch.flip, _T.flip), (1, ("dims",), None)),
-    **dict.fromkeys((torch.transpose, _T.transpose, torch.swapaxes, _T.swapaxes, torch.swapdims, _T.swapdims),
-                    (1, ("dim0", "axis0"), None)),
-}
-#: the second dimension argument of the transposes
-_SECOND = dict.fromkeys((torch.transpose, _T.transpose, torch.swapaxes, _T.swapaxes, torch.swapdims, _T.swapdims),
-                        2)
-#: functions that lose the owners whatever their arguments (move dimension 0, or mix every row)
-_LOST = {torch.t, _T.t, torch.movedim, _T.movedim, torch.moveaxis, _T.moveaxis, torch.cov, _T.cov,
-         torch.corrcoef, _T.corrcoef, torch.einsum, torch.tensordot, torch.kron, torch.cdist, torch.outer, _T.outer,
-         torch.ger, torch.trace, _T.trace, torch.diagonal, _T.diagonal, torch.diag, _T.diag, torch.triu, _T.triu,
-         torch.tril, _T.tril, torch.repeat_interleave, _T.repeat_interleave} | {
-    getattr(_T, n).__get__ for n in ("T", "mT", "H", "mH") if hasattr(getattr(_T, n, None), "__get__")}
-#: products: the position of the operand whose rows are the result's rows
-_PRODUCTS = {torch.matmul: 0, _T.matmul: 0, _T.__matmul__: 0, _T.__rmatmul__: 1, torch.mm: 0, _T.mm: 0,
-             torch.bmm: 0, _T.bmm: 0, _F.linear: 0, torch.addmm: 1, _T.addmm: 1, torch.baddbmm: 1, _T.baddbmm: 1,
-             torch.mv: 0, _T.mv: 0, torch.addmv: 1, _F.bilinear: 0}
-#: reshapes: rows kept, grouped or split (:func:`_regrouped`)
-_RESHAPES = {torch.reshape, _T.reshape, _T.view, torch.flatten, _T.flatten, torch.unflatten, _T.unflatten,
-             _T.view_as, _T.reshape_as, torch.squeeze, _T.squeeze, torch.unsqueeze, _T.unsqueeze}
-_PERMUTE = {torch.permute, _T.permute}
-_CAT = {torch.cat, torch.concat, torch.concatenate}
-
 
 #: the owner of a row that holds no sample's data (a constant joined to the batch's rows: a position table)
 NO_SAMPLE = -1
@@ -214,22 +171,6 @@ def written(slots: torch.Tensor | None, index: Any, src_owners: torch.Tensor | N
         return None
 
 
-def _dims(value: Any, ndim: int) -> set[int]:
-    if isinstance(value, int):
-        values = [value]
-    elif isinstance(value, (tuple, list)):
-        values = [v for v in value if isinstance(v, int)]
-    else:
-        return set()
-    return {v % ndim if ndim else v for v in values}
-
-
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, names: tuple[str, ...], default: Any = None) -> Any:
-    if len(args) > pos:
-        return args[pos]
-    return next((kwargs[n] for n in names if n in kwargs), default)
-
-
 def _regrouped(own: torch.Tensor, rows: int) -> torch.Tensor | None:
     """The owners after a reshape from ``len(own)`` rows to ``rows`` (row-major: rows kept, grouped (each group of
     one sample) or split)."""
@@ -247,25 +188,25 @@ def _regrouped(own: torch.Tensor, rows: int) -> torch.Tensor | None:
 def keeps_dim0(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], first: torch.Tensor) -> bool:
     """Whether ``func`` leaves dimension 0 of its first argument ``first`` where it is and unmixed (``T`` and
     ``mT`` of a 2-D tensor, ``t``, ``movedim``: never)."""
-    if func in _LOST:
+    if func in LOST:
         return False
     ndim = first.dim()
-    if func in _PERMUTE:
-        order = args[1:] if len(args) > 1 and isinstance(args[1], int) else _arg(args, kwargs, 1, ("dims",))
-        return bool(order) and _dims(order[0], ndim) == {0}
-    if func in _ALONG:
-        pos, names, default = _ALONG[func]
-        value = _arg(args, kwargs, pos, names, default)
+    if func in PERMUTE:
+        order = args[1:] if len(args) > 1 and isinstance(args[1], int) else arg_of(args, kwargs, 1, ("dims",))
+        return bool(order) and dims_of(order[0], ndim) == {0}
+    if func in ALONG:
+        pos, names, default = ALONG[func]
+        value = arg_of(args, kwargs, pos, names, default)
         if value is None:
             # every dimension (a reduction to a number: its result has no rows), the flattened tensor (a roll), or
             # the implicit dimension of a softmax: not kept
             return func not in (torch.roll, _T.roll, _F.softmax, _F.log_softmax, _F.softmin) and \
                 func not in (torch.flip, _T.flip)
-        dims = _dims(value, ndim)
-        if func in _SECOND:
-            dims |= _dims(_arg(args, kwargs, _SECOND[func], ("dim1", "axis1")), ndim)
+        dims = dims_of(value, ndim)
+        if func in SECOND:
+            dims |= dims_of(arg_of(args, kwargs, SECOND[func], ("dim1", "axis1")), ndim)
         if func in (torch.flip, _T.flip) and len(args) > 2:
-            dims |= _dims(args[1:], ndim)
+            dims |= dims_of(args[1:], ndim)
         return 0 not in dims
     return True
 
@@ -346,28 +287,28 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
     """The owners of ``out``, a result of ``func(*args, **kwargs)`` that chose no rows, whose row-chosen tensor
     arguments have ``owners`` (by ``id``). ``others``: its arguments computed from the inputs whose rows were not
     chosen (natural rows, :func:`natural`), which must not bring other samples' rows into the result's rows."""
-    if any(o is None for o in owners.values()) or out.dim() == 0 or func in _LOST:
+    if any(o is None for o in owners.values()) or out.dim() == 0 or func in LOST:
         return None  # (einsum, cdist, kron, ...: whatever their operands, rows of several samples meet)
-    if func in _CAT:
-        parts = [p for p in (_arg(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
-        dim = _arg(args, kwargs, 1, ("dim", "axis"), 0)
-        if parts and isinstance(dim, int) and 0 in _dims(dim, parts[0].dim()):
+    if func in CAT:
+        parts = [p for p in (arg_of(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
+        dim = arg_of(args, kwargs, 1, ("dim", "axis"), 0)
+        if parts and isinstance(dim, int) and 0 in dims_of(dim, parts[0].dim()):
             if any(id(p) not in owners for p in parts if p.numel()):
                 return None  # rows of no sample, or natural rows, next to chosen ones
             own = torch.cat([owners[id(p)] for p in parts if id(p) in owners])
             return own if own.shape[0] == out.shape[0] else None
         chosen = [p for p in parts if id(p) in owners]
     elif func is torch.stack:
-        parts = [p for p in (_arg(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
-        dim = _arg(args, kwargs, 1, ("dim",), 0)
-        if not parts or not isinstance(dim, int) or 0 in _dims(dim, parts[0].dim() + 1):
+        parts = [p for p in (arg_of(args, kwargs, 0, ("tensors",)) or ()) if isinstance(p, torch.Tensor)]
+        dim = arg_of(args, kwargs, 1, ("dim",), 0)
+        if not parts or not isinstance(dim, int) or 0 in dims_of(dim, parts[0].dim() + 1):
             return None
         chosen = [p for p in parts if id(p) in owners]
     else:
         chosen = [a for a in args if isinstance(a, torch.Tensor) and id(a) in owners]
     if not chosen:  # owners only in keyword arguments (a weight=, an out=): not followed
         return None
-    pos = _PRODUCTS.get(func)
+    pos = PRODUCTS.get(func)
     if pos is not None:
         lead = args[pos] if len(args) > pos else None
         if not isinstance(lead, torch.Tensor) or id(lead) not in owners or lead.dim() < 2:
@@ -380,14 +321,14 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
         aligned = [a for a in chosen if a.dim() == out.dim() and a.shape[0] == rows]
         subject = args[0] if args and isinstance(args[0], torch.Tensor) and id(args[0]) in owners else None
         lead = subject
-        if aligned and (subject is None or (subject.dim() and subject.shape[0] != rows and func not in _RESHAPES)):
+        if aligned and (subject is None or (subject.dim() and subject.shape[0] != rows and func not in RESHAPES)):
             lead = aligned[0]  # the subject broadcast along the rows (a constant row added to them)
         if lead is None:
             return None  # row-chosen operands broadcast along the result's rows only
         own = owners[id(lead)]
         wider = lead.dim() < out.dim() and any(isinstance(a, torch.Tensor) and a is not lead and a.dim() == out.dim()
                                                for a in args)
-        if lead is subject and (not keeps_dim0(func, args, kwargs, lead) or (wider and func not in _RESHAPES)):
+        if lead is subject and (not keeps_dim0(func, args, kwargs, lead) or (wider and func not in RESHAPES)):
             return None  # dimension 0 moved or mixed; or broadcast against a wider operand (its rows then spread
             # along a later dimension of the result); (a lookup, F.embedding(ids, table), adds trailing dimensions)
         for a in chosen:
@@ -399,7 +340,7 @@ def carried(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
             elif not bool((owners[id(a)] == NO_SAMPLE).all()):
                 return None  # a row-chosen operand broadcast along the result's rows: one sample's row in each
         if own.shape[0] != rows:
-            own = _regrouped(own, rows) if func in _RESHAPES else None
+            own = _regrouped(own, rows) if func in RESHAPES else None
             if own is None:
                 return None
     for t in others:  # rows of other samples in the same result rows
