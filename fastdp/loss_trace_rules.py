@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fastdp.layers.row_functions import tensors_of
 from fastdp.loss_deps import (
     CONST,
     COUPLED,
@@ -119,21 +120,11 @@ _DIM_DEFAULT = {"normalize": 1, "sort": -1, "argsort": -1, "topk": -1, "gumbel_s
                 "mode": -1, "softmin": None}
 
 
-def _tensors(args: Any) -> list[Any]:
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(x for x in a if isinstance(x, torch.Tensor))
-    return out
-
-
 def _elementwise(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], res: Any, dep: DepOf) -> Dep | None:
     if not isinstance(res, torch.Tensor):
         return None
     base = _INPLACE_DUNDER.get(name, name) if name.startswith("__") else name.rstrip("_")
-    ts = _tensors(list(args) + list(kwargs.values()))
+    ts = tensors_of(list(args) + list(kwargs.values()))
     traced = [(t, dep(t)) for t in ts if dep(t) is not None]
     if not traced:
         return None

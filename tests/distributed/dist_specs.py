@@ -169,6 +169,29 @@ class OutsideUse(nn.Module):
         return self.head(torch.tanh(F.linear(self.lin(h), self.lin.weight)))
 
 
+class Chosen(nn.Module):
+    """Rows chosen by the data: each sample's token of the largest id (``h[one_hot_mask]``, one row per sample) through
+    a trainable Linear, and the tokens of id below 5 (``h[ids < 5]``, a different number per sample) through a
+    frozen Linear, written back into ``(B, d)`` by each row's sample (``index_add``): ids (B, 7) -> (B, 3). Each
+    rank's guard checks every call's rows (fastdp.layers.row_owners)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.pick = nn.Linear(6, 6)
+        self.unpadded = nn.Linear(6, 6).requires_grad_(False)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        one = F.one_hot(ids.argmax(1), ids.shape[1]).bool()
+        picked = torch.tanh(self.pick(h[one]))  # (B, d): one row per sample
+        real = ids < 5
+        f = torch.tanh(self.unpadded(h[real]))  # (N, d): the real tokens of every sample
+        pooled = torch.zeros_like(picked).index_add(0, real.nonzero()[:, 0], f)
+        return self.head(picked + pooled)
+
+
 def _gpt2() -> nn.Module:
     from model_oracle import LMWrap, gpt2
 
@@ -176,7 +199,7 @@ def _gpt2() -> nn.Module:
 
 
 BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many, "cnn": SmallCNN,
-            "folded": Folded, "outside": OutsideUse}
+            "folded": Folded, "outside": OutsideUse, "chosen": Chosen}
 
 
 def build(kind: str, seed: int) -> nn.Module:
@@ -196,13 +219,13 @@ def mse_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 LOSSES = {"mixed": cls_loss, "vit": cls_loss, "tied": lm_loss, "big": mse_loss, "gpt2": lm_loss, "cnn": cls_loss,
-          "folded": cls_loss, "outside": cls_loss}
+          "folded": cls_loss, "outside": cls_loss, "chosen": cls_loss}
 
 
 def make_batch(kind: str, n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """One physical batch of ``n`` samples ``((x,), y)`` for model ``kind``."""
     g = torch.Generator().manual_seed(seed)
-    if kind in ("mixed", "folded", "outside"):
+    if kind in ("mixed", "folded", "outside", "chosen"):
         return (torch.randint(0, 11, (n, 7), generator=g),), torch.randint(0, 3, (n,), generator=g)
     if kind == "vit":
         return (torch.randn(n, 4, 5, generator=g, dtype=D),), torch.randint(0, 3, (n,), generator=g)

@@ -5,7 +5,9 @@ relative), bit-identical across ranks. N = 2 and 3; even and uneven shards (3/1/
 backward passes per rank); every clipping mode; styles all-layer, layer-wise, param-wise and explicit groups;
 clipping functions abadi, automatic, global; sum and mean reductions; tied weights; the generic path (raw class
 token and position embedding); layers that see the batch folded into their rows (x.reshape(-1, d)); a weight read
-outside its module's call (given to the root's replay by each rank's structure probe); DP-BiTFiT;
+outside its module's call (given to the root's replay by each rank's structure probe); rows chosen by the data
+(one per sample into a trainable layer, unpadded rows written back by sample; each rank's guard checks them);
+DP-BiTFiT;
 rank 0's parameters broadcast at construction; ``process_group=`` a sub-group (one without global rank 0 too); the
 same update_trainable() on every rank; all-reduce buckets of a few bytes; ten random 3-rank steps (shards, virtual
 batches, empty steps, model, mode, style, function, reduction).
@@ -56,6 +58,9 @@ N2: dict[str, Spec] = {
     "folded": Spec("folded", ((3,), (2,)), seed=26),  # the batch folded into the rows of fc and norm
     "folded-ghost-one-sample": Spec("folded", ((2, 1), (1,)), seed=27, mode="ghost", style="layer-wise"),
     "outside-use": Spec("outside", ((3,), (2,)), seed=28),  # a weight read outside its module: the root replays it
+    # rows chosen by the data: one per sample into a trainable Linear, unpadded rows written back by sample
+    "chosen": Spec("chosen", ((3,), (2,)), seed=29),
+    "chosen-virtual-ghost": Spec("chosen", ((2, 1), (1, 2)), seed=80, mode="ghost", style="layer-wise"),
 }
 for _i, _mode in enumerate(CLIPPING_MODES):
     N2[f"mode-{_mode}"] = Spec("mixed", ((3, 1), (2,)), seed=30 + _i, mode=_mode, style="layer-wise")
