@@ -22,7 +22,9 @@ A *method* is how one training step is taken:
   at one strip) and ``fastdp BK-MixOpt, aligned Grams`` (at a ``T`` that is not a multiple of 16, a leading strip of
   ``T mod 16`` rows: ``fastdp.layers._matmul.GRAM_ALIGN``, not adopted) and ``fastdp BK-MixOpt, no fold guard``
   (``fastdp.layers.fold_guard.RowGuard`` replaced by :class:`NoRowGuard`: what the guard costs a model whose layers
-  see the batch folded, OPT).
+  see the batch folded, OPT); ``non-private, bf16 autocast`` and ``fastdp BK-MixOpt, bf16 autocast`` (the forward
+  pass and the loss under ``torch.autocast(dtype=torch.bfloat16)`` on the workload's device, ``AUTOCAST``; the
+  parameters stay float32).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -77,6 +79,12 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, full Grams": ({}, {}),
     f"{DEFAULT_METHOD}, aligned Grams": ({}, {}),
     f"{DEFAULT_METHOD}, no fold guard": ({}, {}),
+    f"{DEFAULT_METHOD}, bf16 autocast": ({}, {}),
+}
+#: methods whose forward pass and loss run under ``torch.autocast`` in this dtype (mixed precision)
+AUTOCAST: dict[str, torch.dtype] = {
+    "non-private, bf16 autocast": torch.bfloat16,
+    f"{DEFAULT_METHOD}, bf16 autocast": torch.bfloat16,
 }
 #: A/B variants that set a fastdp module constant for the duration of each of their steps: method -> [(module,
 #: attribute, value)]
@@ -88,7 +96,7 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     f"{DEFAULT_METHOD}, no fold guard": [("fastdp.layers.fold_guard", "RowGuard", NoRowGuard)],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
-           "Opacus hooks", "Opacus ghost", *VARIANTS)
+           "Opacus hooks", "Opacus ghost", *VARIANTS, "non-private, bf16 autocast")
 DEFAULT_SIZES = {"gpt2": (64, 256, 1024), "roberta": (64, 256, 1024), "vit": (32, 64, 128),
                  "resnet": (32, 64, 128), "tinylm": (64, 128), "tinycls": (64, 128, 256), "cnn": (32,)}
 #: (vocab or classes, width d, layers, heads, ViT patch) per width set; a set need not define every model
@@ -410,9 +418,13 @@ def make_step(w: Workload, method: str, device: torch.device, seed: int = 0, lr:
                                    "update zoo.VARIANTS")
             setattr(owner, attr, value)
 
+    cast = AUTOCAST.get(method)
+
     def plain_step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
         x, y = data
-        loss(forward(model, x), y).backward()
+        with torch.autocast(device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
+            value = loss(forward(model, x), y)
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -79,6 +79,29 @@ class TokenNet(nn.Module):
         return self.head(torch.tanh(self.lin(self.ln(self.emb(ids)))).mean(1))
 
 
+class LastTokenNet(nn.Module):
+    """Rows chosen by the data, as a classifier of padded sequences takes them: each sample's last real token
+    (``h[arange(B), lengths - 1]``, coordinates read from the ids: one row per sample) through a trainable Linear,
+    and the real tokens (``h[ids > 0]``, a different number per sample) through a frozen Linear written back at the
+    same mask. The row guard reads the chosen indices on the host in the forward pass (a synchronisation there on
+    CUDA, none in the backward pass)."""
+
+    def __init__(self, vocab: int = 11) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 6)
+        self.real = nn.Linear(6, 6).requires_grad_(False)
+        self.last = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        mask = ids > 0
+        h = h.masked_scatter(mask[..., None], torch.tanh(self.real(h[mask])))
+        lengths = mask.sum(1).clamp(min=1)
+        last = h[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
+        return self.head(torch.tanh(self.last(last)))
+
+
 def family(name: str, dtype=torch.float64):
     """(model, per-sample loss, batches) on the CPU; two physical batches, one of a single sample."""
     torch.manual_seed(0)
@@ -97,6 +120,10 @@ def family(name: str, dtype=torch.float64):
     if name == "tokens":
         data = [((torch.randint(0, 11, (n, 9), generator=g),), torch.randn(n, 2, generator=g)) for n in (3, 1)]
         return TokenNet().to(dtype), mse, [(x, y.to(dtype)) for x, y in data]
+    if name == "chosen":  # right-padded ids: 0 after each sample's length (1..9)
+        lengths = [torch.randint(1, 10, (n,), generator=g) for n in (3, 1)]
+        ids = [torch.randint(1, 11, (len(n), 9), generator=g) * (torch.arange(9) < n[:, None]) for n in lengths]
+        return LastTokenNet().to(dtype), mse, [((x,), torch.randn(x.shape[0], 2, generator=g).to(dtype)) for x in ids]
     if name == "gpt2":
         return LMWrap(gpt2()).to(dtype), lm_loss, [((x,), y) for (x,), y in lm_batches([3, 1], 80)]
     raise ValueError(name)
@@ -136,7 +163,7 @@ def oracle(model, loss, data, where="middle"):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["mlp", "generic", "conv", "tokens", "gpt2"])
+@pytest.mark.parametrize("name", ["mlp", "generic", "conv", "tokens", "chosen", "gpt2"])
 def test_float64_release_on_the_device_matches_the_oracle(name, mode):
     model, loss, data = family(name)
     psg, groups, R, B = oracle(model, loss, data)
@@ -312,7 +339,7 @@ def _backward_without_sync(lo: torch.Tensor) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation exists only on CUDA")
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate", "bitfit"])
-@pytest.mark.parametrize("name", ["mlp", "generic", "conv", "gpt2"])
+@pytest.mark.parametrize("name", ["mlp", "generic", "conv", "chosen", "gpt2"])
 def test_the_backward_pass_does_not_synchronise_with_the_host(name, mode):
     """``torch.cuda.set_sync_debug_mode``: every operation that waits for the GPU (``.item()``, ``nonzero``, a
     device-to-host copy) inside ``loss.backward()`` is reported with where it was called. The first step (the
