@@ -124,6 +124,22 @@ COMPILE_REFUSAL = (
     "torch.compile(model)) and build the PrivacyEngine on it; nothing of the refused call was recorded.")
 
 
+class RootOwnerPre:
+    """A forward pre-hook of the root module as an owner of parameters (a class token on the model itself).
+
+    The structure probe's fallback replans inside the root's forward call. Torch then still calls the pre-hooks it
+    listed for that call, a removed one without keyword arguments: a removed one (``live`` false) does nothing, and
+    the fallback runs the new ones itself (:meth:`Capture.run_root_pres`), so that each runs once per call."""
+
+    def __init__(self, fn: Any, with_kwargs: bool = True) -> None:
+        self.fn, self.with_kwargs, self.live = fn, with_kwargs, True
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+        if not self.live:
+            return
+        self.fn(module, args, kwargs) if self.with_kwargs else self.fn(module, args)
+
+
 class Capture:
     """The capture stage of one engine (see the module docstring).
 
@@ -158,7 +174,7 @@ class Capture:
         #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
         self.owner_layouts = layout.OwnerLayouts()
         self.moe_of: dict[int, list[str] | None] = {}  # id(module) -> its type chain when a MoE part (capture_fold)
-        self.root_hook_fns: list[tuple[Any, bool]] = []  # the root's own pre-hooks (the probe's fallback runs them)
+        self.root_hook_fns: list[RootOwnerPre] = []  # the root's pre-hooks as an owner (the probe's fallback runs them)
         self._handles: list[Any] = []
         #: the Hugging Face labels= guards (fastdp.hf_guard): independent of the plan, so kept across the replans of
         #: the probe's fallback, which run inside the model's forward call (see remove)
@@ -196,16 +212,20 @@ class Capture:
             if entry.generic:
                 pre = partial(capture_generic.generic_pre, self, params=params,
                               expand=capture_generic.expandable(entry, self.plan))
+                if module is root:
+                    pre = RootOwnerPre(pre)
+                    self.root_hook_fns.append(pre)
                 hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
                 hook = partial(capture_generic.generic_hook, self, names=entry.names, label=entry.label)
             else:
                 pre = partial(self._layer_pre, params=params)
+                if module is root:
+                    pre = RootOwnerPre(pre, with_kwargs=False)
+                    self.root_hook_fns.append(pre)
                 hooks.append(module.register_forward_pre_hook(pre, prepend=True))
                 needs_act = capture_all or entry.kind.needs_activation(module, entry.names)
                 hook = partial(self._layer_hook, kind=entry.kind, names=entry.names, needs_act=needs_act,
                                label=entry.label)
-            if module is root:
-                self.root_hook_fns.append((pre, entry.generic))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True, always_call=True))
         # prepended after the modules' pre-hooks, so it runs first of all: the call's batch size and forward id
         hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True))
@@ -221,6 +241,11 @@ class Capture:
         # registered last, so it runs after every other forward hook of the root
         hooks.append(root.register_forward_hook(self._root_post, always_call=True))
 
+    def run_root_pres(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the root's owner pre-hooks for the call in progress (after a replan inside it: see RootOwnerPre)."""
+        for pre in self.root_hook_fns:
+            pre(module, args, kwargs)
+
     def remove(self, keep_guards: bool = False) -> None:
         """Remove the model hooks and restore ``requires_grad`` of a call left open.
 
@@ -230,6 +255,8 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for pre in self.root_hook_fns:
+            pre.live = False
         if not keep_guards:
             for h in self._guard_handles:
                 h.remove()

@@ -91,6 +91,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ from fastdp.layers import checkpointing, generic, layout
 from fastdp.layers.base import autocast_state, clipping_precision
 from fastdp.layers.generic import GENERIC
 from fastdp.plan import trainable_change
-from fastdp.torch_api import TorchFunctionMode, has_grad_hooks, ieee_float32, tree_flatten, tree_map
+from fastdp.torch_api import TorchFunctionMode, grad_hooks, ieee_float32, tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -401,8 +402,8 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
     the model): stop expanding them by making an ancestor the generic owner of their parameters (the ancestor's
     per-sample replay differentiates only those; the forward is untouched), nearest first, and probe again. Returns
     whether some ancestor passed (the owners are restored otherwise), ``None`` if it could not be tried."""
-    if engine._capture.pending or engine.plan.entry_of(model) is not None:
-        return None  # pending records of the old owners / the root's pre-hooks already ran for this call
+    if engine._capture.pending:
+        return None  # pending records of the old owners
     name_of = {id(m): n for n, m in model.named_modules()}
     trainable = {id(p) for p in engine._trainable.values()}
     saved = dict(engine._extra_owned)
@@ -430,19 +431,21 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
         engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
         with DeterministicDropout():
             findings = _run(engine, model, args, kwargs, B)
-        add_suspects()
-        if findings == []:
+        outside = bool(engine._capture.probe.outside)  # (the real pass would refuse: e.g. an owner never called as a
+        add_suspects()  # module, timm's rel_pos.get_bias() reading rel_pos.mlp from the attention's forward)
+        if findings == [] and not outside:
             culprits = sorted(level)
             logger.warning("structure probe: the parameters of %s could not be attributed to samples where they are "
                            "(a broadcast output, an output without batch dimension, or a parameter read outside its "
                            "module's call); they are now replayed per sample by %s (exact, slower)", culprits,
                            sorted({level[c] or "<root>" for c in culprits}))
-            if "" in engine._extra_owned:  # the root became an owner: its pre-hooks must run for this call too
-                for fn, with_kwargs in engine._capture.root_hook_fns:
-                    fn(model, args, kwargs) if with_kwargs else fn(model, args)
+            # the root's pre-hooks as an owner (it was one, or became one) for this call: those torch listed for it
+            # were removed by the replan and do nothing
+            engine._capture.run_root_pres(model, args, kwargs)
             return True
     engine._extra_owned = saved
     engine._rebuild_owners()
+    engine._capture.run_root_pres(model, args, kwargs)
     return False
 
 
@@ -454,6 +457,8 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     engine._capture.probe.learned = {}
     # a. engine pass (forward and backward; its generic owners' replays wait for the layouts learned in b.)
     engine._capture.owner_layouts.start()  # the size rule; the layouts learned below are applied to its records
+    layers = {id(e.module): e.module for e in engine.plan.entries if not e.generic}
+    on_batch = layout.Recorder(list(layers.values()))  # the layer kinds' calls on the batch (see _no_batch_dim)
     try:
         _restore_buffers(engine._capture.probe.buffers)
         res = _engine_pass(engine, model, args, kwargs, B)
@@ -461,6 +466,9 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         raise  # not a finding about the structure: the caller halves the batch and retries (probed again)
     except Exception as e:  # noqa: BLE001 - the real pass raises the same error (the user's or the engine's)
         return [_engine_failed(e)]
+    finally:
+        layer_calls = on_batch.restart()
+        on_batch.close()
     if res is None:
         if engine._capture.probe.broadcast and _batch_lost(engine, model, args, kwargs, B):
             # the expansions changed what the model computes (x.chunk(2) of an odd batch, torch.cat along dim 0)
@@ -472,16 +480,18 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         return []
     batch_out, idx, cots, records, gen = res
     sub = _sub_batches(records, B)
-    if sub:  # layers that saw a part of the batch (x.chunk(2)): suspects for the fallback, as expanded outputs are
+    if sub:  # layers that saw a part of the batch (x.chunk(2)), or rows that are not the batch's: suspects for the
+        # fallback, as expanded outputs are
         engine._capture.probe.broadcast.extend(m for m, _ in sub)
         _free(records)
         return [Finding(_SUB_BATCH, "", math.inf, detail=(
             f"layers {_labels(model, [m for m, _ in sub])} saw {sorted({n for _, n in sub})} rows of a batch of "
-            f"{B} (a part of the batch, e.g. x.chunk(2)): their rows cannot be attributed to samples by position"))]
+            f"{B} (a part of the batch, e.g. x.chunk(2), or a tensor without batch dimension): their rows cannot be "
+            "attributed to samples by position"))]
     findings: list[Finding] = []
     # b. references; the generic owners' calls on a batch of one tell which of their tensors are per sample
     refs: dict[int, list[torch.Tensor | None]] = {}
-    recorder = layout.Recorder([e.module for e in engine.plan.entries if e.generic])
+    recorder = layout.Recorder([e.module for e in engine.plan.entries])
     ref_calls = []
     try:
         for i in indices:
@@ -510,7 +520,10 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     finally:
         _free(records)
     engine._capture.probe.learned = learned
-    return findings + _compare(engine, names, params, indices, rows, refs, total, weights)
+    findings += _compare(engine, names, params, indices, rows, refs, total, weights)
+    if findings:  # layers whose rows did not follow the batch: suspects for the fallback, as expanded outputs are
+        engine._capture.probe.broadcast.extend(layers[k] for k in _no_batch_dim(layer_calls, ref_calls, B))
+    return findings
 
 
 def _model_raises(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -547,8 +560,23 @@ def _batch_lost(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
         and s is not None and (len(s) == 0 or s[0] != B) for y, s in zip(leaves, got, strict=True))
 
 
+def _no_batch_dim(on_batch: dict[tuple[int, int], layout.CallShapes],
+                  on_one: list[dict[tuple[int, int], layout.CallShapes]], B: int) -> set[int]:
+    """``id``s of the layer-kind modules with a call whose first input had leading size ``B`` on the batch and the
+    same on every batch of one: its rows do not follow the batch (a tensor built from buffers or parameters whose
+    leading size equals the batch size by coincidence, as timm's relative-position MLP's ``(3, 3, 2)`` table at
+    ``B = 3``); the engine took them as the samples' rows."""
+    def lead(call: layout.CallShapes | None) -> int | None:
+        first = next((s for s in call.shapes_in if s is not None), None) if call is not None else None
+        return first[0] if first else None
+
+    return {key[0] for key, call in on_batch.items()
+            if B >= 2 and lead(call) == B and on_one and all(lead(r.get(key)) == B for r in on_one)}
+
+
 def _sub_batches(records: list[Any], B: int) -> list[tuple[nn.Module, int]]:
-    """Layer-kind calls of the engine pass that saw more than one but fewer than ``B`` rows (``(module, rows)``)."""
+    """Layer-kind calls of the engine pass that saw more than one row but neither ``B`` rows nor a multiple of ``B``
+    (a fold, which :func:`fastdp.capture_fold.fold_of` judges): ``(module, rows)``."""
     out = []
     for rec in records:
         if rec.kind is GENERIC:
@@ -557,7 +585,7 @@ def _sub_batches(records: list[Any], B: int) -> list[tuple[nn.Module, int]]:
             n = rec.batch if rec.psg is not None else rec.kind.batch_size(rec.activation, rec.grad_output)
         except Exception:  # noqa: BLE001 - no batch size to read: not a part of the batch (the sums judge it)
             continue
-        if n is not None and 1 < n < B:
+        if n is not None and 1 < n and n != B and (n < B or n % B):
             out.append((rec.module, n))
     return out
 
@@ -816,6 +844,12 @@ def _labels(model: nn.Module, modules: Sequence[nn.Module]) -> list[str]:
     return sorted({name_of[id(m)] for m in modules if id(m) in name_of})
 
 
+def _user_grad_hooks(engine: Any, p: torch.Tensor) -> list[Any]:
+    """The gradient hooks on ``p`` other than the engine's own (its outside-use check: ``Capture._outside_use``)."""
+    return [h for h in grad_hooks(p)
+            if not (isinstance(h, partial) and getattr(h.func, "__self__", None) is engine._capture)]
+
+
 def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str],
              suspects: Sequence[str] = (), fell_back: bool = False) -> str:
     owner = {n: (n.rpartition(".")[0] or "<root>") for n in engine._trainable}
@@ -825,7 +859,7 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
     if not params and suspects:  # a pass failed: the expanded modules' parameters are the ones at stake
         params = sorted(n for n in owner if owner[n] in suspects)
     modules = sorted({owner[n] for n in params} | set(suspects))
-    hooked = [n for n in params if has_grad_hooks(engine._trainable[n])]
+    hooked = [n for n in params if _user_grad_hooks(engine, engine._trainable[n])]
     hooks = (f"\nParameters {hooked[:8]} have gradient hooks (Tensor.register_hook, as peft's OSF adapter registers): "
              "the engine computes their per-sample gradients itself, so the hooks do not run on them, while the "
              "batch-of-one reference runs them. Remove the hooks or freeze those parameters." if hooked else "")

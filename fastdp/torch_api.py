@@ -30,13 +30,14 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
     return t._base
 
 
-def has_grad_hooks(t: torch.Tensor) -> bool:
-    """Whether ``Tensor.register_hook`` hooks are registered on ``t`` (they change its gradient in a plain backward
+def grad_hooks(t: torch.Tensor) -> list[Callable[..., Any]]:
+    """The functions registered on ``t`` by ``Tensor.register_hook`` (they change its gradient in a plain backward
     pass; the engine computes a trainable parameter's gradient itself, so they do not run on it).
 
     Private (``Tensor._backward_hooks``): torch has no public query for a tensor's hooks.
     """
-    return bool(getattr(t, "_backward_hooks", None))
+    hooks = getattr(t, "_backward_hooks", None)
+    return list(hooks.values()) if hooks else []
 
 
 def current_graph_task_id() -> int:
@@ -240,6 +241,6 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
 
 
 __all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
-           "group_norm_affine_grads", "has_grad_hooks", "ieee_float32",
+           "group_norm_affine_grads", "grad_hooks", "ieee_float32",
            "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
            "tree_map", "tree_unflatten", "view_base"]

@@ -134,3 +134,78 @@ def test_vit_parallel_blocks(mode):
 
     model = vit(seed=3, block_fn=ParallelThingsBlock)
     check_engine(model, cls_loss, images([3, 1], 40 + MODES.index(mode), 16), mode=mode)
+
+
+def _spread(model, std=0.3):
+    """timm initialises class tokens, biases and layer scales tiny: make every matrix, token and bias matter."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2 or "token" in n or "bias" in n:
+                p.normal_(std=std)
+    return model
+
+
+def beit(seed, **kw):
+    from timm.models.beit import Beit
+
+    torch.manual_seed(seed)
+    return _spread(Beit(img_size=16, patch_size=8, num_classes=C, embed_dim=16, depth=2, num_heads=2, mlp_ratio=1.5,
+                        **kw).to(D))
+
+
+def eva(seed, **kw):
+    from timm.models.eva import Eva
+
+    torch.manual_seed(seed)
+    return _spread(Eva(img_size=16, patch_size=8, num_classes=C, embed_dim=16, depth=2, num_heads=2, mlp_ratio=1.5,
+                       qkv_bias=True, **kw).to(D))
+
+
+ATTENTION_READS_QKV = {
+    "beit-abs": lambda s: beit(s, use_abs_pos_emb=True, use_rel_pos_bias=False),
+    "beit-rel": lambda s: beit(s, use_abs_pos_emb=False, use_rel_pos_bias=True),
+    "eva": lambda s: eva(s),
+}
+
+
+@pytest.mark.parametrize("sizes", [[3, 1], [5]], ids=["B3+1", "B5-eq-tokens"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(ATTENTION_READS_QKV))
+def test_attention_that_reads_its_qkv_weight(name, mode, sizes):
+    """BEiT and EVA: the attention calls ``F.linear(x, self.qkv.weight, cat(q_bias, k_bias, v_bias))``, so the
+    ``qkv`` Linear's weight is read outside its own call, while the root module owns the class token. The structure
+    probe hands the weight to the attention module (replayed per sample); it used not to try, because the root's
+    own pre-hooks had already been listed for the call, and the real pass refused (a false refusal found by a
+    red-team pass). ``[5]``: the batch size equals the token count (4 patches + class token). Exact."""
+    model = ATTENTION_READS_QKV[name](20 + MODES.index(mode))
+    assert model.cls_token is not None and model.blocks[0].attn.qkv.bias is None
+    check_engine(model, cls_loss, images(sizes, 21 + MODES.index(mode), 16), mode=mode)
+
+
+def relpos_vit(seed, **kw):
+    """timm's ViT with relative-position attention: an MLP (``RelPosMlp``) maps the buffer of log-spaced relative
+    coordinates, ``(3, 3, 2)`` on a 2x2 patch grid, to the attention bias, called as ``rel_pos.get_bias()`` from
+    the attention's forward (not as a module call). Its dropout (p 0.125 in train mode, one mask for the whole
+    batch) is off here: the batch-of-one oracle would draw another mask."""
+    from timm.models.vision_transformer_relpos import VisionTransformerRelPos
+
+    torch.manual_seed(seed)
+    model = _spread(VisionTransformerRelPos(img_size=16, patch_size=8, num_classes=C, embed_dim=16, depth=2,
+                                            num_heads=2, mlp_ratio=1.5, **kw).to(D))
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+@pytest.mark.parametrize("sizes", [[3, 1], [2], [4]], ids=["B3-eq-table+1", "B2", "B4"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pool", ["avg", "token"])
+def test_vit_relative_position_mlp(pool, mode, sizes):
+    """The relative-position MLP's input has no batch dimension. At ``B = 3`` its leading size equals the batch size
+    (the probe used to refuse: the layers took the table's rows as samples), at ``B = 2`` it is neither the batch
+    nor a multiple (refused: layers saw different batch sizes), at ``B = 4`` fewer rows than the batch. The probe
+    now moves the MLP's parameters up to the attention module, whose forward calls ``get_bias()``, and the step is
+    exact at every batch size. With a class token (``pool="token"``) the root owns parameters too."""
+    model = relpos_vit(30 + MODES.index(mode), class_token=pool == "token", global_pool=pool)
+    check_engine(model, cls_loss, images(sizes, 31 + MODES.index(mode) + 10 * sizes[0], 16), mode=mode)

@@ -221,15 +221,24 @@ def test_broadcast_indexed_with_zero_exact_via_fallback():
     assert differs(engine_release(model, x, y, verify=False), want)
 
 
-def test_arange_position_table_same_outcome_whatever_the_sizes():
-    # T == B: silently per sample without the probe; T != B: a batch-size error at backward without it
-    x, y = _data(6, 6, 5)
-    refused_and_wrong(lambda: (torch.manual_seed(6), PosArange().to(D))[1], x, y,
-                      lambda m: true_release(m, lambda mm: mse(mm(x), y), 6))
-    x, y = _data(4, 6, 5)
-    for verify in (True, False):  # the probe leaves the engine's own refusal (at backward) to the real pass
+@pytest.mark.parametrize("B", [6, 4, 8])
+def test_arange_position_table_exact_whatever_the_sizes(B):
+    """``wpe(arange(T))``: a (T, d) table without batch dimension. With the probe: exact at every batch size, the
+    table's parameters replayed per sample by an ancestor (until 2026-11-27 refused: at ``T == B`` by the probe,
+    which saw the table's rows taken as samples; otherwise at backward, the layers having seen T rows). Without it:
+    silently per position at ``T == B``, a batch-size error at backward otherwise."""
+    x, y = _data(B, 6, 5)
+    torch.manual_seed(6)
+    model = PosArange().to(D)
+    want = true_release(model, lambda mm: mse(mm(x), y), B)
+    assert close(engine_release(model, x, y, verify=True), want)
+    torch.manual_seed(6)
+    model = PosArange().to(D)
+    if B == 6:
+        assert differs(engine_release(model, x, y, verify=False), want)
+    else:
         with pytest.raises(RuntimeError, match="different batch sizes"):
-            engine_release(PosArange().to(D), x, y, verify=verify)
+            engine_release(model, x, y, verify=False)
 
 
 # ------------------------------------------------------------------------------------------- exact models
@@ -482,3 +491,73 @@ def test_inputs_computed_by_a_layer_called_before_the_model_match_the_oracle(mod
     got = {f"m.{n}": g for n, g in released_grads(net, trainable_names(net)).items()}
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-10)
+
+
+@pytest.mark.parametrize("user_hook", [False, True])
+def test_refusal_names_gradient_hooks_only_where_the_user_registered_them(user_hook):
+    """The refusal names parameters with gradient hooks (``Tensor.register_hook``: they do not run on the engine's
+    per-sample gradients but do in the reference) only for hooks of the user's: the engine's own outside-use hook
+    on every trainable parameter is not one (it made every refusal blame gradient hooks)."""
+    x, y = _data(4, 5, out=(4, 3))
+    torch.manual_seed(2)
+    model = (TwoLayer if user_hook else Flipped)().to(D)  # refused for its hook / for reordering the batch
+    if user_hook:
+        model.b.weight.register_hook(lambda g: 2 * g)
+    eng = make_engine(model, batch_size=4)
+    eng.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    with pytest.raises(StructureError) as e:
+        mse(model(x), y).mean().backward()
+    assert ("gradient hooks" in str(e.value)) == user_hook, str(e.value)
+    if user_hook:
+        assert "['b.weight']" in str(e.value), str(e.value)
+
+
+class _TableBias(nn.Module):
+    """An MLP over a buffer of 3 coordinates: a bias table without batch dimension, read by a method call
+    (``get_bias()``, as timm's relative-position MLP is), never by a call of this module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 5))
+        self.register_buffer("coords", torch.randn(3, 2))
+
+    def get_bias(self):
+        return self.mlp(self.coords)  # (3, 5)
+
+
+class _BiasedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = _TableBias()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x):  # (B, 3, 5) + (3, 5), broadcast over the batch
+        return torch.tanh(self.lin(x) + self.table.get_bias())
+
+
+class _TableNet(nn.Module):
+    def __init__(self, cls_token: bool) -> None:
+        super().__init__()
+        self.block = _BiasedBlock()
+        self.head = nn.Linear(5, 3)
+        self.cls = nn.Parameter(torch.randn(1, 1, 5)) if cls_token else None  # the root an owner too
+
+    def forward(self, x):
+        h = self.block(x)
+        return self.head(h.mean(1) + (self.cls[:, 0] if self.cls is not None else 0))
+
+
+@pytest.mark.parametrize("cls_token", [False, True])
+@pytest.mark.parametrize("sizes", [[3, 1], [2], [4]], ids=["B3-eq-table+1", "B2", "B4"])
+@pytest.mark.parametrize("mode", CLIPPING_MODES)
+def test_layers_over_a_table_without_batch_dimension_exact_via_fallback(mode, sizes, cls_token):
+    """Layers whose input is a table without batch dimension (3 rows): at ``B = 3`` the rows look like the batch's
+    (the probe sees them unchanged on a batch of one: ``probe._no_batch_dim``), at ``B = 2`` they are neither the
+    batch nor a multiple of it, at ``B = 4`` fewer. Each used to be refused; the probe now hands the MLP's
+    parameters to the nearest ancestor whose own call reads them (the block: ``get_bias()`` is not a call of the
+    table module, so the table itself is passed over), replayed per sample. Exact against the oracle."""
+    torch.manual_seed(50 + sizes[0])
+    model = _TableNet(cls_token).to(D)
+    g = torch.Generator().manual_seed(51 + sizes[0])
+    data = [((torch.randn(n, 3, 5, generator=g, dtype=D),), torch.randn(n, 3, generator=g, dtype=D)) for n in sizes]
+    check_engine(model, lambda out, y: mse(out, y), data, mode=mode)
