@@ -102,6 +102,7 @@ class ProbeState:
     learned: Any = None
     #: the engine pass's outputs (the probe's check that the batch dimension survived its expansions)
     out_leaves: Any = None
+    out_grad_leads: list[int] = field(default_factory=list)  # leading sizes of those that require grad
     #: the last probe run compared only rounding noise (every per-sample gradient ~0): its signature is not verified
     inconclusive: bool = False
     sig: Any = None  # the input signature the probe is verifying
@@ -162,6 +163,9 @@ class Capture:
         self.passes = 0  # backward passes that reached the hooks (the current one's number identifies it)
         self.inert_depth = 0  # > 0: replays and the probe's reference passes run; every hook does nothing
         self.paused = 0  # depth of `with engine.paused()`
+        #: `with engine.same_samples()` in progress: its group (the id of the first forward call after it began)
+        self.same_samples_group: int | None = None
+        self.group_of: dict[int, int] = {}  # forward id of an outermost call -> its same-samples group
         self.anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.expand_off: set[int] = set()  # owners whose expansion failed verification once: always replayed
         #: owner label -> {"expanded": calls, "replayed": calls} of the generic path
@@ -358,6 +362,8 @@ class Capture:
         if replaced is not None:
             args, kwargs = replaced
         frame = RootFrame(self.next_forward, sys.exc_info()[1], torch.is_grad_enabled())
+        if not self.roots and self.same_samples_group is not None:
+            self.group_of[frame.fid] = self.same_samples_group
         self.next_forward += 1
         self.roots.append(frame)  # popped by _root_post, which runs also when this pre-hook raises
         frame.batch = B = batchdim.infer_batch_size(args, kwargs)
@@ -505,6 +511,7 @@ class Capture:
         cfg: ClipConfig = self.engine.clip_config
         sharding = getattr(self.engine, "_sharding", None)
         try:
+            self._check_one_sample_set(done)
             # fully_shard: each sharded sum is reduce-scattered to this rank's rows as it is formed
             stream = None if sharding is None else sharding.stream(done, self.plan.param_of)
             try:
@@ -528,6 +535,26 @@ class Capture:
             raise
         self.plan.last_norms.update(result.norms)
         self.sink.add(result)
+
+    def _check_one_sample_set(self, done: list[Record]) -> None:
+        """Refuse a backward pass that reached several forward calls of the model, unless they ran in one
+        ``with engine.same_samples():`` block: their records would be merged by row (row ``i`` of every call taken
+        as sample ``i``), which is right for views of the same samples only (:meth:`PrivacyEngine.same_samples`)."""
+        fids = sorted({r.forward for r in done if not r.rootless})
+        if len(self.group_of) > 4096:  # (forward calls that never got a backward pass keep an entry: the oldest go)
+            for f in sorted(self.group_of)[:2048]:
+                del self.group_of[f]
+        if len(fids) <= 1 or len({self.group_of.get(f, -1 - f) for f in fids}) == 1:
+            return
+        raise RuntimeError(
+            f"one backward pass reached {len(fids)} forward calls of the model, made outside one `with "
+            "engine.same_samples():` block. The engine would take row i of every call as the same sample i and clip "
+            "their sum once. If the calls see the same samples (two views of each sample, a siamese pair, an output "
+            "fed back), run them inside `with engine.same_samples():`. If they see different samples (a labelled "
+            "and an unlabelled batch, two halves of a batch), concatenate them into one call (torch.cat along "
+            "dimension 0), or call backward after each call with that call's own loss (each backward pass adds its own "
+            "samples to the step, as micro-batches do). "
+            "Nothing of this backward pass was released.")
 
     # ------------------------------------------------------------------ failures
     def on_backward_dropped(self, number: int | None = None) -> None:

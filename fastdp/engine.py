@@ -505,6 +505,31 @@ class PrivacyEngine:
         finally:
             self._capture.paused -= 1
 
+    @contextlib.contextmanager
+    def same_samples(self) -> Iterator[None]:
+        """The model's forward calls inside ``with engine.same_samples():`` see the **same samples**, row ``i`` of
+        every call being sample ``i``'s: two augmented views of each sample (contrastive learning), a siamese pair,
+        R-Drop's two dropout passes, an output fed back to the model, a cell unrolled over time steps::
+
+            with engine.same_samples():
+                z1, z2 = model(view1(x)), model(view2(x))
+            loss = per_sample_contrastive(z1, z2).mean()   # loss_i reads row i of both calls
+            loss.backward()
+
+        Sample ``i``'s gradient is then the sum over the calls of what row ``i`` contributed, clipped once. One
+        backward pass that reaches two forward calls of the model made *outside* such a block is refused: the engine
+        cannot tell two views of the same samples (one clipping unit per row) from two different sets of samples (a
+        labelled and an unlabelled batch: one unit per row of each), and either guess would bound a sample's
+        contribution by ``2R``, not ``R``. Different samples go in one call (``torch.cat`` along dimension 0) or in
+        separate backward passes, each on its own call's loss (each adds its samples to the step, as micro-batches
+        do). The calls must have the same batch size.
+        """
+        self._capture.same_samples_group = self._capture.next_forward
+        try:
+            yield
+        finally:
+            self._capture.same_samples_group = None
+
     def record_release(self, event: Any, label: str = "release") -> None:
         """Record another private release on this engine's data (e.g. a noisy evaluation metric:
         ``accounting.Gaussian(sigma)``) in the accountant's ledger, so :meth:`get_privacy_spent` covers training and

@@ -354,6 +354,11 @@ def _wrap(t: torch.Tensor, dep: Dep) -> torch.Tensor:
     return out
 
 
+#: why a pass is unverified when the model returned no per-sample output
+NO_SAMPLE_OUTPUT = ("the model's outputs, none of which has the batch dimension (a loss computed inside the model's "
+                    "forward: return per-sample outputs or losses and reduce them outside the model)")
+
+
 def _outputs(out: Any, B: int, book: Book, depth: int = 0) -> tuple[Any, int]:
     """``out`` with its floating outputs ``(B, ...)`` that require grad returned as traced aliases; and how many."""
     if isinstance(out, torch.Tensor):
@@ -400,6 +405,12 @@ def arm(state: LossTrace, sig: Any, output: Any, B: int) -> Any:
     book = state.book
     out, n = _outputs(output, B, book)
     if n:
+        state.sigs.setdefault(id(book), set()).add(sig)
+    elif any(isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad
+             for y in torch_api.tree_flatten(output)[0]):
+        # outputs that require grad, none per sample (a loss or a reduction over the batch computed inside the
+        # model's forward): nothing to trace, so the backward pass through them is unverified (strict refuses it)
+        book.miss(NO_SAMPLE_OUTPUT)
         state.sigs.setdefault(id(book), set()).add(sig)
     return out
 

@@ -118,6 +118,7 @@ _NOISE = 1e3
 _ENGINE_FAILED = "engine pass"  # the engine's capture or book-keeping raised (left to the real pass)
 _LOST_BATCH = "batch dimension lost"  # the engine's expansions left no output of leading size B
 _SUB_BATCH = "part of the batch"  # layers saw fewer rows than the batch (x.chunk(2))
+_NO_BATCH_OUT = "no per-sample output"  # outputs that require grad, none of leading size B (a sequence-first input)
 
 
 class StructureError(RuntimeError):
@@ -476,6 +477,13 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                 f"after the engine expanded the outputs of leading size 1 of "
                 f"{_labels(model, engine._capture.probe.broadcast)} to the batch size {B}, no output of the model that "
                 f"requires grad has leading size {B}, but on a batch of one an output has leading size 1"))]
+        leads = sorted(set(engine._capture.probe.out_grad_leads))
+        if leads:
+            return [Finding(_NO_BATCH_OUT, "", math.inf, detail=(
+                f"the model's outputs that require grad have leading sizes {leads}, none the batch size {B} that the "
+                f"engine read from the inputs' leading dimension: the engine would clip each of {B} rows that are not "
+                f"the samples (a sequence-first input (T, B) gives T as the batch size; an output of leading size 1 "
+                f"pools the batch). Pass the batch first in every input and output"))]
         logger.info("structure probe: no output with a batch dimension requires grad; nothing to verify")
         return []
     batch_out, idx, cots, records, gen = res
@@ -766,6 +774,9 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
         leaves, idx = _batched_outputs(out, B)
         if not idx:
             engine._capture.probe.out_leaves = [tuple(y.shape) if isinstance(y, torch.Tensor) else None for y in leaves]
+            engine._capture.probe.out_grad_leads = [
+                y.shape[0] for y in leaves if isinstance(y, torch.Tensor) and y.is_floating_point() and y.dim() >= 1
+                and y.requires_grad]
             return None
         ys = [leaves[j] for j in idx]
         cots = [_cotangent(y, j) for j, y in enumerate(ys)]

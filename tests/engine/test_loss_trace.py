@@ -624,21 +624,22 @@ X2 = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
 LAB = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(4))
 
 
-def clip_loss(m):
-    a, b = F.normalize(m(X1), dim=-1), F.normalize(m(X2), dim=-1)
+def clip_loss(m, eng):
+    with eng.same_samples():  # two views of the same 8 samples (engine.same_samples)
+        a, b = F.normalize(m(X1), dim=-1), F.normalize(m(X2), dim=-1)
     return F.cross_entropy(a @ b.T / 0.1, torch.arange(8))
 
 
 def test_contrastive_loss_is_refused_before_anything_is_released():
     model = Encoder()
     eng, opt = _engine(model)
-    clip_loss(model).backward()
+    clip_loss(model, eng).backward()
     with pytest.raises(StructureError, match=r"couples samples: cross_entropy across samples.*test_loss_trace\.py"):
         opt.step()
     assert all(p.grad is None for p in model.parameters())
     assert eng.steps == 0 and eng.accountant.ledger.steps == 0
     assert eng.probe_stats["loss_traces"] == {"coupled": 1}
-    clip_loss(model).backward()  # caught and tried again: refused again
+    clip_loss(model, eng).backward()  # caught and tried again: refused again
     with pytest.raises(StructureError, match="couples samples"):
         opt.step()
     assert eng.steps == 0
@@ -649,7 +650,7 @@ def test_not_traced_with_verify_loss_false():
     eng, opt = _engine(model, verify_loss=False)
     assert type(model(X1)) is torch.Tensor
     opt.zero_grad()
-    clip_loss(model).backward()
+    clip_loss(model, eng).backward()
     opt.step()  # the user's own responsibility now
     assert eng.steps == 1 and eng.probe_stats["loss_traces"] == {}
 
@@ -661,8 +662,9 @@ def test_a_queue_of_earlier_outputs_as_negatives_is_refused():
     queue = None
     with pytest.raises(StructureError, match="couples samples"):
         for _ in range(2):
-            q = F.normalize(model(X1), dim=-1)
-            pos = (q * F.normalize(model(X2), dim=-1)).sum(-1, keepdim=True)
+            with eng.same_samples():
+                q, k = F.normalize(model(X1), dim=-1), F.normalize(model(X2), dim=-1)
+            pos = (q * k).sum(-1, keepdim=True)
             logits = pos if queue is None else torch.cat([pos, q @ queue.T], 1)
             F.cross_entropy(logits / 0.1, torch.zeros(8, dtype=torch.long)).backward()
             opt.step()
@@ -678,7 +680,8 @@ def test_per_sample_losses_release_what_they_release_untraced():
         model = Encoder()
         eng, opt = _engine(model, verify_loss=verify)
         for _ in range(3):
-            a, b = model(X1), model(X2)
+            with eng.same_samples():
+                a, b = model(X1), model(X2)
             loss = F.cross_entropy(a, LAB) + F.kl_div(a.log_softmax(-1), b.softmax(-1), reduction="batchmean")
             loss.backward()
             opt.step()
@@ -742,7 +745,7 @@ def test_strict_traces_every_pass_so_a_loss_that_changes_later_is_refused():
             F.cross_entropy(model(X1), LAB).backward()
             opt.step()
             opt.zero_grad()
-        clip_loss(model).backward()  # a contrastive loss from step n on
+        clip_loss(model, eng).backward()  # a contrastive loss from step n on
         if refused:
             with pytest.raises(StructureError, match="couples samples"):
                 opt.step()
@@ -950,3 +953,29 @@ def test_a_gradient_hook_that_changes_the_model_outputs_gradient_is_refused():
     out.register_hook(lambda g: g * 3)
     with pytest.raises(RuntimeError, match="gradient hook registered on the model's output changed its gradient"):
         F.cross_entropy(out, LAB).backward()
+
+
+class InnerLoss(Encoder):
+    """A loss computed inside the model's forward: the model returns a scalar (here a coupled one, in-batch
+    negatives), so no output has the batch dimension and the trace has nothing to follow."""
+
+    def forward(self, x):
+        z = super().forward(x)
+        return F.cross_entropy(z @ z.T, torch.arange(x.shape[0]))
+
+
+def test_strict_refuses_a_loss_computed_inside_the_model(caplog):
+    """Under ``verify_loss="strict"`` a pass through a model whose outputs have no batch dimension is unverified
+    and refused (until 2026-11-27 no verdict was recorded at all, and the coupled loss trained, also under strict:
+    a red-team finding); by default it is logged as unverified."""
+    eng, opt = _engine(InnerLoss(), verify_loss="strict")
+    eng.model(X1).backward()
+    with pytest.raises(StructureError, match=r"strict.*none of which has the batch dimension"):
+        opt.step()
+    assert all(p.grad is None for p in eng.model.parameters()) and eng.steps == 0
+    caplog.set_level("WARNING", logger="fastdp.loss_trace_verdicts")
+    eng, opt = _engine(InnerLoss())
+    eng.model(X1).backward()
+    opt.step()
+    assert eng.probe_stats["loss_traces"] == {"unverified": 1}
+    assert "none of which has the batch dimension" in caplog.text
