@@ -157,3 +157,29 @@ def test_a_forward_without_backward_does_not_join_the_next_pass():
     ref_opt.step()
     for (n, g), q in zip(got.items(), ref.parameters(), strict=True):
         torch.testing.assert_close(g, q.grad, rtol=1e-12, atol=0.0, msg=n)
+
+
+def test_a_nested_block_belongs_to_the_outer_one():
+    """A call after a nested block's end is still in the outer block: one group, exact as one block."""
+    net = _model()
+    x1, x2, y = _data()
+    engine = make_engine(net, batch_size=B, R=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    engine.attach(opt)
+    with engine.same_samples():
+        with engine.same_samples():
+            a = net(x1)
+        b = net(x2)
+    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
+    opt.step()
+    got = {n: p.grad.clone() for n, p in net.named_parameters()}
+    ref = _model()
+    ref_engine = make_engine(ref, batch_size=B, R=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
+    ref_engine.attach(ref_opt)
+    with ref_engine.same_samples():
+        a, b = ref(x1), ref(x2)
+    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
+    ref_opt.step()
+    for (n, g), q in zip(got.items(), ref.parameters(), strict=True):
+        torch.testing.assert_close(g, q.grad, rtol=1e-12, atol=0.0, msg=n)
