@@ -339,6 +339,8 @@ class Capture:
         if self.roots:
             return self.roots[-1].fid
         self.next_forward += 1
+        if self.same_samples_group is not None:  # (a submodule's call inside `with engine.same_samples():`)
+            self.group_of[self.next_forward - 1] = self.same_samples_group
         return self.next_forward - 1
 
     def idle(self) -> bool:
@@ -544,6 +546,23 @@ class Capture:
         if len(self.group_of) > 4096:  # (forward calls that never got a backward pass keep an entry: the oldest go)
             for f in sorted(self.group_of)[:2048]:
                 del self.group_of[f]
+        # layers of a submodule called on its own carry no call of the model (each record its own id): a module
+        # with several such records was called several times, on the same samples only inside one block
+        calls: dict[int, list[int]] = {}
+        for r in done:
+            if r.rootless:
+                calls.setdefault(id(r.module), []).append(r.forward)
+        again = [type(r.module).__name__ for r in done if r.rootless and len(calls[id(r.module)]) > 1
+                 and len({self.group_of.get(f, -1 - f) for f in calls[id(r.module)]}) > 1]
+        if again:
+            raise RuntimeError(
+                f"one backward pass reached several calls of {sorted(set(again))[:4]} made outside a call of the "
+                "engine's model (a submodule called on its own, such as model.body(x)) and outside one `with "
+                "engine.same_samples():` block. The engine would take row i of every call as the same sample i and "
+                "clip their sum once. Call the model itself; if the calls see the same samples (two views of each "
+                "sample), run them inside `with engine.same_samples():`; if they see different samples, concatenate "
+                "them into one call (torch.cat along dimension 0) or call backward after each call with that call's "
+                "own loss. Nothing of this backward pass was released.")
         if len(fids) <= 1 or len({self.group_of.get(f, -1 - f) for f in fids}) == 1:
             return
         raise RuntimeError(

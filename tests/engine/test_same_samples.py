@@ -183,3 +183,46 @@ def test_a_nested_block_belongs_to_the_outer_one():
     ref_opt.step()
     for (n, g), q in zip(got.items(), ref.parameters(), strict=True):
         torch.testing.assert_close(g, q.grad, rtol=1e-12, atol=0.0, msg=n)
+
+
+class Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_submodule_called_twice_on_its_own_is_refused_unless_in_a_block():
+    """``model.body(x_a)``, ``model.body(x_b)`` outside a call of the model: each layer record gets its own id, so
+    the calls are told apart by the module called twice. Different samples: refused; the same samples inside
+    ``same_samples()``: released as one call of views is (compared with the model-level calls)."""
+    torch.manual_seed(3)
+    model = Body().to(D)
+    x1, x2, y = _data()
+    engine = make_engine(model, batch_size=B, R=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    h = B // 2
+    loss = (F.cross_entropy(model.head(model.body(x1[:h])), y[:h])
+            + F.cross_entropy(model.head(model.body(x1[h:])), y[h:]))
+    with pytest.raises(RuntimeError, match="submodule called on its own"):
+        loss.backward()
+    with engine.same_samples():
+        a, b = model.head(model.body(x1)), model.head(model.body(x2))
+    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
+    opt.step()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.manual_seed(3)
+    ref = Body().to(D)
+    ref_engine = make_engine(ref, batch_size=B, R=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
+    ref_engine.attach(ref_opt)
+    with ref_engine.same_samples():
+        a, b = ref(x1), ref(x2)
+    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
+    ref_opt.step()
+    for (n, g), q in zip(got.items(), ref.parameters(), strict=True):
+        torch.testing.assert_close(g, q.grad, rtol=1e-10, atol=1e-14, msg=n)
