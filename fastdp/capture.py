@@ -50,7 +50,13 @@ from fastdp.layers.base import LayerKind, clipping_precision
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry, trainable_change
 from fastdp.records import Record
-from fastdp.torch_api import is_batchnorm, run_by_torch_compile, set_requires_grad
+from fastdp.torch_api import (
+    grad_accumulator,
+    is_batchnorm,
+    pass_accumulates,
+    run_by_torch_compile,
+    set_requires_grad,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +74,7 @@ class RootFrame:
     sig: Any = None  # the input signature (computed when the call records: batch size >= 1, autograd on)
     last_fold: int = 1  # the fold factor of the latest per-sample hooked call (capture_fold.note_rows)
     sizes: tuple[int, ...] = ()  # the non-batch sizes of the per-sample inputs (batchdim.input_sizes)
+    canary: bool = False  # an output of a hooked call of it carries the anchor (Capture.hook_output)
     #: the rows-chosen-by-the-data guard (fastdp.layers.fold_guard), active during the call when its signature's
     #: probe saw a fold or rows chosen by the data, or did not verify it, and during the probe's engine pass
     guard: Any = None
@@ -166,6 +173,7 @@ class Capture:
         #: `with engine.same_samples()` in progress: its group (the id of the first forward call after it began)
         self.same_samples_group: int | None = None
         self.group_of: dict[int, int] = {}  # forward id of an outermost call -> its same-samples group
+        self.group_pass: dict[int, int] = {}  # same-samples group -> the backward pass that reached its calls
         self.anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.expand_off: set[int] = set()  # owners whose expansion failed verification once: always replayed
         #: owner label -> {"expanded": calls, "replayed": calls} of the generic path
@@ -178,6 +186,8 @@ class Capture:
         #: the generic owners' input/output layouts learned by the structure probe (fastdp.layers.layout)
         self.owner_layouts = layout.OwnerLayouts()
         self.moe_of: dict[int, list[str] | None] = {}  # id(module) -> its type chain when a MoE part (capture_fold)
+        self.anchor_nodes: dict[Any, Any] = {}  # the anchors' AccumulateGrad nodes (torch_api.grad_accumulator)
+        self.accumulates: bool | None = None  # whether the backward pass in progress accumulates into leaves
         self.root_hook_fns: list[RootOwnerPre] = []  # the root's pre-hooks as an owner (the probe's fallback runs them)
         self._handles: list[Any] = []
         #: the Hugging Face labels= guards (fastdp.hf_guard): independent of the plan, so kept across the replans of
@@ -284,6 +294,8 @@ class Capture:
         key = (like.dtype, like.device)
         if key not in self.anchors:
             self.anchors[key] = torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
+            with torch.enable_grad():
+                self.anchor_nodes[key] = grad_accumulator(self.anchors[key])  # (kept: graphs reuse this node)
         return self.anchors[key]
 
     def detach_params(self, module: nn.Module, params: list[nn.Parameter]) -> CallFrame:
@@ -432,11 +444,20 @@ class Capture:
         self.detach_params(module, params)
 
     def hook_output(self, out: torch.Tensor, rec: Record, k: int) -> torch.Tensor:
-        """Register the output-gradient hook of output ``k`` of ``rec``'s call (an anchor added if needed)."""
-        if not out.requires_grad:
+        """Register the output-gradient hook of output ``k`` of ``rec``'s call (an anchor added if needed).
+
+        The first hooked output of each forward call of the model carries the anchor in any case (a zero scalar
+        leaf: one addition): a backward pass that reaches it runs the anchor's ``AccumulateGrad`` node only if it
+        accumulates into leaves (``loss.backward()``), not for ``torch.autograd.grad(loss, x)`` (an input's gradient,
+        as adversarial training takes it), whose records the engine then discards (:meth:`_on_backward_end`)."""
+        frame = self.roots[-1] if self.roots else None
+        if not out.requires_grad or (frame is not None and not frame.canary):
             # Nothing upstream requires grad (first layer; weights are detached by ghost differentiation):
             # add a zero that does, so the backward pass reaches this output.
             out = out + self.anchor(out)
+            rec.canary = True
+            if frame is not None:
+                frame.canary = True
         out.register_hook(partial(self.on_output_grad, rec, k))
         return out
 
@@ -484,7 +505,10 @@ class Capture:
             # the rest of the pass (the structure probe runs its own clipping)
             self.callback_queued = True
             self.passes += 1
+            self.accumulates = None
             session.queue_end_of_backward(self._on_backward_end, partial(self.on_backward_dropped, self.passes))
+        if rec.canary and not self.probe.running and self.accumulates is not True:
+            self.accumulates = not self.anchor_nodes or any(pass_accumulates(n) for n in self.anchor_nodes.values())
         if rec.forward in self.dead_forwards:
             raise RuntimeError(
                 f"a backward pass reached {type(rec.module).__name__} through a forward call whose records the "
@@ -509,6 +533,11 @@ class Capture:
         self.callback_queued = False
         self.trace.close()
         done = [r for r in self.pending if r.reached]
+        if self.accumulates is False:  # torch.autograd.grad(loss, x): not a training pass (see hook_output)
+            self.drop_forwards({r.forward for r in done}, "a backward pass that does not accumulate into the "
+                               "parameters (torch.autograd.grad, or backward(inputs=...)) reached the engine's layers",
+                               level=logging.INFO)
+            return
         self.pending = [r for r in self.pending if not r.reached]
         cfg: ClipConfig = self.engine.clip_config
         sharding = getattr(self.engine, "_sharding", None)
@@ -563,6 +592,18 @@ class Capture:
                 "sample), run them inside `with engine.same_samples():`; if they see different samples, concatenate "
                 "them into one call (torch.cat along dimension 0) or call backward after each call with that call's "
                 "own loss. Nothing of this backward pass was released.")
+        groups = {self.group_of[f] for r in done if (f := r.forward) in self.group_of}
+        split = sorted(g for g in groups if self.group_pass.setdefault(g, self.passes) != self.passes)
+        if split:
+            raise RuntimeError(
+                "a second backward pass reached forward calls of the model made in one `with engine.same_samples():` "
+                "block: the block says they see the same samples, so each sample's gradient is the sum over those "
+                "calls, clipped once; a backward pass per call would clip each part on its own (a sample then counts "
+                "up to twice). Compute one loss from all the block's outputs and call backward once, or, for "
+                "different samples, make the calls outside the block. Nothing of this backward pass was released.")
+        if len(self.group_pass) > 4096:
+            for g in sorted(self.group_pass)[:2048]:
+                del self.group_pass[g]
         if len(fids) <= 1 or len({self.group_of.get(f, -1 - f) for f in fids}) == 1:
             return
         raise RuntimeError(
@@ -587,7 +628,7 @@ class Capture:
         self.drop_forwards({r.forward for r in self.pending if r.reached},
                            "the backward pass raised before it completed")
 
-    def drop_forwards(self, fids: set[int], why: str) -> None:
+    def drop_forwards(self, fids: set[int], why: str, level: int = logging.WARNING) -> None:
         """Discard the pending records of the forward calls ``fids`` (and free what they keep); a later backward
         pass through those calls' outputs raises."""
         if not fids:
@@ -599,9 +640,9 @@ class Capture:
             r.activation, r.psg = None, None
             r.grads[:] = [None] * len(r.grads)
         mods = sorted({type(r.module).__name__ for r in drop})
-        logger.warning("%s: discarded %d record(s) of %d forward call(s) (modules %s); nothing of them is released "
-                       "or accounted, the next step holds only the passes that completed", why, len(drop), len(fids),
-                       mods[:8])
+        logger.log(level, "%s: discarded %d record(s) of %d forward call(s) (modules %s); nothing of them is released "
+                   "or accounted, the next step holds only the passes that completed", why, len(drop), len(fids),
+                   mods[:8])
 
     def reset_call_stacks(self) -> None:
         """Restore ``requires_grad`` and close the open call frames (after a forward call that raised)."""

@@ -62,6 +62,38 @@ _SETTINGS = ("batch_size", "sample_size", "sample_rate", "max_grad_norm", "clipp
              "target_epsilon", "target_delta")
 
 
+class _ZeroGradHook:
+    """``optimizer.zero_grad()`` / ``model.zero_grad()`` while attached: besides resetting ``.grad`` (the original
+    method), forget the clipped sums the engine holds for the next step, as torch forgets ``.grad``. The engine keeps
+    its sums apart from ``.grad`` (ghost differentiation), so without this a ``zero_grad()`` between two backward
+    passes (adversarial training: a clean pass for the input's gradient, ``zero_grad()``, then the adversarial pass)
+    released both passes, one sample counting twice. Removed by :meth:`remove` (``detach``): an instance attribute
+    over the class's method."""
+
+    def __init__(self, engine: PrivacyEngine, owner: Any) -> None:
+        self.engine, self.owner = engine, owner
+        self.original = owner.zero_grad
+        owner.zero_grad = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rel = self.engine._release
+        if rel.summed or rel.backward_seen:
+            logger.info("%s.zero_grad(): the clipped sums of %d backward pass(es) since the last step are discarded, "
+                        "as .grad is", type(self.owner).__name__, rel.step_passes)
+            rel.clear_step()
+            rel.clip_counter.discard()
+        return self.original(*args, **kwargs)
+
+    def remove(self) -> None:
+        if self.owner.__dict__.get("zero_grad") is self:
+            del self.owner.zero_grad
+
+
+def zero_grad_hooks(engine: PrivacyEngine, owners: tuple[Any, ...]) -> list[_ZeroGradHook]:
+    """A :class:`_ZeroGradHook` on each of ``owners`` (the optimizer, the model); handles with ``remove()``."""
+    return [_ZeroGradHook(engine, o) for o in owners]
+
+
 class PrivacyEngine:
     """Differentially private training by adding one object to an ordinary PyTorch loop.
 
@@ -400,6 +432,7 @@ class PrivacyEngine:
         self._capture.install()
         self._handles.append(optimizer.register_step_pre_hook(self._release.pre_step))
         self._handles.append(register_other_step_hook(self._release))
+        self._handles.extend(zero_grad_hooks(self, (optimizer, self.model)))
         ATTACHED.add(optimizer)
         if scaler is not None:
             self._release.scaler = amp.ScalerLink(self._release, scaler)
@@ -432,7 +465,14 @@ class PrivacyEngine:
                     len(self.plan.entries))
 
     def detach(self) -> None:
-        """Remove every hook and restore ``requires_grad``: model and optimizer are as before :meth:`attach`."""
+        """Remove every hook and restore ``requires_grad``: model and optimizer are as before :meth:`attach`.
+
+        Clipped sums accumulated since the last step (micro-batches of a step in progress) are discarded, with a
+        warning: nothing of them is released or accounted, and a new ``attach`` starts a new step."""
+        if self._release.summed or self._release.backward_seen:
+            logger.warning("detach() discarded the clipped sums of %d backward pass(es) accumulated since the last "
+                           "step: nothing of them is released or accounted; call optimizer.step() before detach() to "
+                           "release them", self._release.step_passes)
         self._capture.remove()
         for h in self._handles:
             h.remove()

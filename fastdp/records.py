@@ -48,6 +48,9 @@ class Record:
     #: recorded in a call of a submodule on its own (no call of the engine's model around it): the call's batch size
     #: was unknown, so an output of leading size 1 (a position table) was not broadcast to the batch
     rootless: bool = False
+    #: an output of this call carries the engine's anchor (the first hooked output of its forward call): its
+    #: backward pass tells whether that pass accumulates into leaves (``Capture.on_output_grad``)
+    canary: bool = False
     #: rows per sample of a call that saw the batch folded into dimension 0 (``k B`` rows; 1: none). Its kept input
     #: and output gradients are unflattened to ``(B, k, ...)`` (:func:`fastdp.layers.batchdim.unfold_rows`)
     fold: int = 1

@@ -48,6 +48,25 @@ def current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def pass_accumulates(leaf_node: Any) -> bool:
+    """Inside a backward pass: whether it will run ``leaf_node`` (a leaf's ``AccumulateGrad`` node in its graph), i.e.
+    whether it accumulates into leaves' ``.grad``: ``loss.backward()`` does; ``torch.autograd.grad(loss, x)`` and
+    ``loss.backward(inputs=[x])`` run only what reaches ``x``.
+
+    Private (``torch._C._will_engine_execute_node``): torch has no public query for what a pass computes.
+    """
+    try:
+        return bool(torch._C._will_engine_execute_node(leaf_node))
+    except RuntimeError:  # (torch refuses some leaves during autograd.grad: such a pass does not accumulate)
+        return False
+
+
+def grad_accumulator(leaf: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node of a leaf tensor that requires grad (the one graphs built on it use while the
+    returned node is alive). Call with autograd on."""
+    return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
 def queue_engine_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass in progress completes (dropped if the pass raises).
 
@@ -241,6 +260,6 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
 
 
 __all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
-           "group_norm_affine_grads", "grad_hooks", "ieee_float32",
+           "group_norm_affine_grads", "grad_accumulator", "grad_hooks", "ieee_float32", "pass_accumulates",
            "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
            "tree_map", "tree_unflatten", "view_base"]
