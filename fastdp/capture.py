@@ -166,6 +166,7 @@ class Capture:
         self.calls: list[CallFrame] = []
         self.next_forward = 0
         self.dead_forwards: set[int] = set()  # forward calls whose records were discarded after a failure
+        self.input_grad_forwards: set[int] = set()  # of those, the ones a pass of torch.autograd.grad reached
         self.callback_queued = False
         self.passes = 0  # backward passes that reached the hooks (the current one's number identifies it)
         self.inert_depth = 0  # > 0: replays and the probe's reference passes run; every hook does nothing
@@ -429,6 +430,13 @@ class Capture:
         if self.probe.running:  # the probe's engine pass: a suspect for its fallback (fastdp.probe); it restores .grad
             self.probe.outside.append(self.engine.model.get_submodule(name.rpartition(".")[0]))
             return
+        if torch.is_grad_enabled():  # (grad mode is on inside a backward pass only with create_graph=True)
+            raise RuntimeError(
+                f"trainable parameter {name!r} received a gradient in a backward pass run with create_graph=True (a "
+                "gradient penalty on the inputs, or a double backward through the model): the second-order terms "
+                "reach the parameters outside their layers' calls, where fastdp cannot clip them per sample. Double "
+                "backward through the private model is not supported under a PrivacyEngine; compute such a penalty "
+                "under engine.paused() only if it must not train the model, or drop it.")
         raise RuntimeError(
             f"trainable parameter {name!r} received a gradient from outside the forward of the layer that owns it "
             "(e.g. a weight read directly by another module, as in weight tying through F.linear). fastdp cannot "
@@ -509,6 +517,13 @@ class Capture:
             session.queue_end_of_backward(self._on_backward_end, partial(self.on_backward_dropped, self.passes))
         if rec.canary and not self.probe.running and self.accumulates is not True:
             self.accumulates = not self.anchor_nodes or any(pass_accumulates(n) for n in self.anchor_nodes.values())
+        if rec.forward in self.input_grad_forwards:
+            raise RuntimeError(
+                f"a backward pass reached {type(rec.module).__name__} through a forward call that a pass of "
+                "torch.autograd.grad (or backward(inputs=...)) already went through: that pass does not train, so "
+                "the engine discarded the call's records. Run the forward pass again for the training pass, or take "
+                "the input's gradient from a forward call under engine.paused(). (A gradient penalty through the "
+                "model, create_graph=True, is not supported.)")
         if rec.forward in self.dead_forwards:
             raise RuntimeError(
                 f"a backward pass reached {type(rec.module).__name__} through a forward call whose records the "
@@ -534,6 +549,7 @@ class Capture:
         self.trace.close()
         done = [r for r in self.pending if r.reached]
         if self.accumulates is False:  # torch.autograd.grad(loss, x): not a training pass (see hook_output)
+            self.input_grad_forwards |= {r.forward for r in done}
             self.drop_forwards({r.forward for r in done}, "a backward pass that does not accumulate into the "
                                "parameters (torch.autograd.grad, or backward(inputs=...)) reached the engine's layers",
                                level=logging.INFO)
@@ -636,6 +652,9 @@ class Capture:
         drop = [r for r in self.pending if r.forward in fids]
         self.pending = [r for r in self.pending if r.forward not in fids]
         self.dead_forwards |= fids
+        for ids in (self.dead_forwards, self.input_grad_forwards):
+            if len(ids) > 4096:  # (a backward pass through a call that old is not expected: the oldest go)
+                ids.difference_update(sorted(ids)[:2048])
         for r in drop:
             r.activation, r.psg = None, None
             r.grads[:] = [None] * len(r.grads)

@@ -142,3 +142,18 @@ def test_calls_declared_the_same_samples_backpropagated_one_by_one_are_refused()
     F.cross_entropy(z1, y).backward()
     with pytest.raises(RuntimeError, match="second backward pass reached forward calls of the model made in one"):
         F.cross_entropy(z2, y).backward()
+
+
+def test_a_training_pass_through_a_call_an_input_gradient_went_through_is_refused():
+    """``torch.autograd.grad(loss, x, retain_graph=True)`` then ``loss.backward()`` on the same graph: the first pass
+    does not train and its records are gone; the second is refused with what to do (nothing released)."""
+    model, (x, y) = _model(), _data()
+    engine = make_engine(model, batch_size=B, R=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    xr = x.clone().requires_grad_(True)
+    loss = F.cross_entropy(model(xr), y)
+    torch.autograd.grad(loss, xr, retain_graph=True)
+    with pytest.raises(RuntimeError, match="already went through: that pass does not train"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
