@@ -368,6 +368,40 @@ def setup_gan(tmp_path: Path) -> dict[str, Any]:
     return ns
 
 
+def _engine8(ns: dict[str, Any]) -> dict[str, Any]:
+    """``ns``'s model with an engine of batch size 8 (noise 1) attached to its optimizer; ``x, y``: 8 rows."""
+    ns["x"], ns["y"] = ns["x"][:8], ns["y"][:8]
+    ns["engine"] = fastdp.PrivacyEngine(ns["model"], batch_size=8, sample_size=ns["n"], epochs=1,
+                                        noise_multiplier=1.0)
+    ns["engine"].attach(ns["optimizer"])
+    ns["before"] = _params(ns["model"])
+    return ns
+
+
+def setup_views(tmp_path: Path) -> dict[str, Any]:
+    ns = _engine8(_base())
+    x, y = ns["x"], ns["y"]
+    ns.update(F=nn.functional, view1=lambda t: t + 0.1, view2=lambda t: t * 0.9,
+              per_sample_loss=lambda a, b: (a - b).pow(2).sum(1), x_labelled=x[:4], x_unlabelled=x[4:],
+              x_a=x[:4], y_a=y[:4], x_b=x[4:], y_b=y[4:])
+    return ns
+
+
+def check_views(ns: dict[str, Any]) -> None:
+    assert _steps(ns) == 2 and all(_changed(ns["before"], ns["model"]))
+
+
+def setup_adversarial(tmp_path: Path) -> dict[str, Any]:
+    ns = _engine8(_base())
+    ns["x"] = ns["x"].clone()
+    ns["eps"] = 0.1
+    return ns
+
+
+def check_adversarial(ns: dict[str, Any]) -> None:
+    assert _steps(ns) == 1 and all(_changed(ns["before"], ns["model"]))  # (exactness: test_training_passes.py)
+
+
 def check_gan(ns: dict[str, Any]) -> None:
     assert _steps(ns) == 1
     assert all(_changed(ns["before_g"], ns["G"]))
@@ -495,7 +529,9 @@ SETUPS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., None] | Non
     "docs/guide/refusals.md#0": (setup_refusals, check_refusals),
     "docs/guide/secure-mode.md#0": (setup_secure, check_secure),
     "docs/guide/training-loop.md#0": (setup_oom, check_oom),
-    "docs/guide/training-loop.md#1": (setup_gan, check_gan),
+    "docs/guide/training-loop.md#1": (setup_views, check_views),
+    "docs/guide/training-loop.md#2": (setup_adversarial, check_adversarial),
+    "docs/guide/training-loop.md#3": (setup_gan, check_gan),
     "docs/internals/accounting.md#0": (lambda tmp_path: {}, check_ledger),
     "docs/internals/engine.md#0": (setup_oom, check_oom),
     "docs/internals/engine.md#1": (setup_gan, check_gan),
