@@ -418,6 +418,17 @@ def run_engine_once(
     return engine, opt, released_grads(model, names)
 
 
+def release_of(model, run, *, batch_size, R, **kw):
+    """The released gradient (noise 0) of one logical step that ``run(model, engine)`` takes (its forward and
+    backward passes) before ``optimizer.step()``: an engine and SGD(lr=0) attached to ``model``. ``{name: grad}``."""
+    engine = make_engine(model, batch_size=batch_size, R=R, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    run(model, engine)
+    opt.step()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
 def assert_grads_close(got: dict, want: dict, rtol=1e-6, atol=1e-10, msg=""):
     assert set(got) == set(want), (sorted(got), sorted(want))
     for n in want:

@@ -21,6 +21,7 @@ from oracle import (
     make_groups,
     oracle_model,
     per_sample_grads,
+    release_of,
     released_grads,
     trainable_names,
 )
@@ -57,6 +58,21 @@ def _data(seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, 6, generator=g, dtype=D)
     return x, x + 0.3 * torch.randn(B, 6, generator=g, dtype=D), torch.randint(0, 3, (B,), generator=g)
+
+
+def _attached(R: float = 0.1):
+    """A fresh model with an engine and SGD(lr=0) attached."""
+    net = _model()
+    engine = make_engine(net, batch_size=B, R=R)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    engine.attach(opt)
+    return net, engine, opt
+
+
+def _two_views(model, engine, x1, x2, y):
+    with engine.same_samples():
+        a, b = model(x1), model(x2)
+    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
 
 
 @pytest.mark.parametrize("mode", CLIPPING_MODES)
@@ -102,12 +118,8 @@ def test_different_samples_in_two_calls_are_refused(mode):
     assert "torch.cat" in str(e.value) and "backward after each call" in str(e.value)
     assert all(p.grad is None for p in net.parameters())
     # the user's fix: one call on the concatenated batch (exact; compared with the single-call release)
-    ref = _model()
-    ref_engine = make_engine(ref, batch_size=B, R=0.1, mode=mode)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
-    ref_engine.attach(ref_opt)
-    F.cross_entropy(ref(torch.cat([x1[:h], x1[h:]])), y).backward()
-    ref_opt.step()
+    want = release_of(_model(), lambda m, e: F.cross_entropy(m(torch.cat([x1[:h], x1[h:]])), y).backward(),
+                      batch_size=B, R=0.1, mode=mode)
     # or a backward pass per call, each loss the mean over its own rows (as with virtual batches): each adds its
     # own samples to the step
     opt.zero_grad()
@@ -117,18 +129,15 @@ def test_different_samples_in_two_calls_are_refused(mode):
         assert torch.equal(p.detach(), before[n]), n
     opt.param_groups[0]["lr"] = 0.0
     opt.step()
-    for (n, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=n)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
 def test_two_calls_in_separate_blocks_are_refused():
     """Each ``same_samples()`` block is its own set of samples: calls from two blocks in one backward pass are
     refused as two calls outside a block are."""
-    net = _model()
+    net, engine, opt = _attached()
     x1, x2, y = _data()
-    engine = make_engine(net, batch_size=B, R=0.1)
-    opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    engine.attach(opt)
     with engine.same_samples():
         a = net(x1)
     with engine.same_samples():
@@ -140,49 +149,29 @@ def test_two_calls_in_separate_blocks_are_refused():
 def test_a_forward_without_backward_does_not_join_the_next_pass():
     """An evaluation call with grad on whose output never gets a backward pass is not reached by the next pass:
     not a second call of that pass (no refusal), and the release is the single call's."""
-    net = _model()
+    net, engine, opt = _attached()
     x1, x2, y = _data()
-    engine = make_engine(net, batch_size=B, R=0.1)
-    opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    engine.attach(opt)
     net(x2)  # (grad on, no backward)
     F.cross_entropy(net(x1), y).backward()
     opt.step()
-    got = {n: p.grad.clone() for n, p in net.named_parameters()}
-    ref = _model()
-    ref_engine = make_engine(ref, batch_size=B, R=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
-    ref_engine.attach(ref_opt)
-    F.cross_entropy(ref(x1), y).backward()
-    ref_opt.step()
-    for (n, g), q in zip(got.items(), ref.parameters(), strict=True):
-        torch.testing.assert_close(g, q.grad, rtol=1e-12, atol=0.0, msg=n)
+    want = release_of(_model(), lambda m, e: F.cross_entropy(m(x1), y).backward(), batch_size=B, R=0.1)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-12, atol=0.0, msg=n)
 
 
 def test_a_nested_block_belongs_to_the_outer_one():
     """A call after a nested block's end is still in the outer block: one group, exact as one block."""
-    net = _model()
+    net, engine, opt = _attached()
     x1, x2, y = _data()
-    engine = make_engine(net, batch_size=B, R=0.1)
-    opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    engine.attach(opt)
     with engine.same_samples():
         with engine.same_samples():
             a = net(x1)
         b = net(x2)
     (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
     opt.step()
-    got = {n: p.grad.clone() for n, p in net.named_parameters()}
-    ref = _model()
-    ref_engine = make_engine(ref, batch_size=B, R=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
-    ref_engine.attach(ref_opt)
-    with ref_engine.same_samples():
-        a, b = ref(x1), ref(x2)
-    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
-    ref_opt.step()
-    for (n, g), q in zip(got.items(), ref.parameters(), strict=True):
-        torch.testing.assert_close(g, q.grad, rtol=1e-12, atol=0.0, msg=n)
+    want = release_of(_model(), lambda m, e: _two_views(m, e, x1, x2, y), batch_size=B, R=0.1)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-12, atol=0.0, msg=n)
 
 
 class Body(nn.Module):
@@ -214,15 +203,7 @@ def test_a_submodule_called_twice_on_its_own_is_refused_unless_in_a_block():
         a, b = model.head(model.body(x1)), model.head(model.body(x2))
     (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
     opt.step()
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
     torch.manual_seed(3)
-    ref = Body().to(D)
-    ref_engine = make_engine(ref, batch_size=B, R=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
-    ref_engine.attach(ref_opt)
-    with ref_engine.same_samples():
-        a, b = ref(x1), ref(x2)
-    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
-    ref_opt.step()
-    for (n, g), q in zip(got.items(), ref.parameters(), strict=True):
-        torch.testing.assert_close(g, q.grad, rtol=1e-10, atol=1e-14, msg=n)
+    want = release_of(Body().to(D), lambda m, e: _two_views(m, e, x1, x2, y), batch_size=B, R=0.1)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-14, msg=n)
