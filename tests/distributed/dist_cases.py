@@ -100,6 +100,24 @@ def run_exact_unpatched(ctx: Any, spec: Spec, R: float, **kw: Any) -> dict[str, 
             "rank": engine.rank, "steps": engine.steps}
 
 
+def run_views(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
+    """``spec.views`` identical calls of this rank's batch inside ``engine.same_samples()`` and one backward pass of
+    the summed loss, after a clean pass that ``optimizer.zero_grad()`` forgets (an input-gradient pass of
+    adversarial training): the step releases the views' pass only, its rows merged per sample on every rank."""
+    model = build(spec.model, spec.seed)
+    engine, opt, names = engine_and_opt(model, spec, R)
+    ((x, y),) = shard_batches(spec)[ctx.rank]
+    loss = LOSSES[spec.model]
+    user_loss(loss(call_model(model, x), y), spec.reduction).backward()
+    opt.zero_grad()
+    with engine.same_samples():
+        outs = [call_model(model, x) for _ in range(spec.views)]
+    user_loss(sum(loss(o, y) for o in outs), spec.reduction).backward()
+    opt.step()
+    return {"grads": released_grads(model, names), "params": params_of(model), "world_size": engine.world_size,
+            "rank": engine.rank, "steps": engine.steps}
+
+
 def run_noise(ctx: Any, spec: Spec, R: float, sigma: float, steps: int, lr: float,
               gen_seeds: tuple[int, ...] | None = None, secure_mode: bool = False,
               float32: bool = False) -> dict[str, Any]:

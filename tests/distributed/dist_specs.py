@@ -268,6 +268,10 @@ class Spec:
     model_seeds: tuple[int, ...] | None = None
     where: str = "middle"
     frozen: tuple[str, ...] = ()
+    #: ``views > 1``: each physical batch is run as that many identical calls inside ``engine.same_samples()``, the
+    #: loss the sum over them (each sample's gradient ``views`` times its own), after a clean pass of the batch that
+    #: ``optimizer.zero_grad()`` forgets (dist_cases.run_views); one physical batch per rank
+    views: int = 1
 
     @property
     def world_size(self) -> int:
@@ -321,7 +325,7 @@ def oracle_for(spec: Spec, R: float | None = None) -> dict[str, Any]:
     om = oracle_model(model)
     style = resolve_style(spec, names)
     groups = make_groups(om, style, names)
-    psg = per_sample_grads(om, LOSSES[spec.model], union, names)
+    psg = per_sample_grads(om, lambda out, y: spec.views * LOSSES[spec.model](out, y), union, names)
     B = spec.global_batch_size
     if spec.samples:
         if R is None:

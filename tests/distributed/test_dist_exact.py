@@ -7,7 +7,7 @@ clipping functions abadi, automatic, global; sum and mean reductions; tied weigh
 token and position embedding); layers that see the batch folded into their rows (x.reshape(-1, d)); a weight read
 outside its module's call (given to the root's replay by each rank's structure probe); rows chosen by the data
 (one per sample into a trainable layer, unpadded rows written back by sample; each rank's guard checks them);
-DP-BiTFiT;
+DP-BiTFiT; two views of each sample in engine.same_samples() after a pass that optimizer.zero_grad() forgets;
 rank 0's parameters broadcast at construction; ``process_group=`` a sub-group (one without global rank 0 too); the
 same update_trainable() on every rank; all-reduce buckets of a few bytes; ten random 3-rank steps (shards, virtual
 batches, empty steps, model, mode, style, function, reduction).
@@ -23,7 +23,7 @@ import random
 
 import pytest
 import torch
-from dist_cases import run_exact, run_subgroup, run_update_both
+from dist_cases import run_exact, run_subgroup, run_update_both, run_views
 from dist_checks import check_exact
 from dist_specs import Spec, oracle_for
 from harness import Case, register, run_world, shared_world
@@ -131,6 +131,9 @@ for _m in ("BK-ghost", "ghost"):  # every ghost norm's Grams in strips of 2 rows
 register(3, "exact-subgroup", _exact(SUBGROUP, "exact-subgroup", run_subgroup))
 register(3, "exact-subgroup12", _exact(SUBGROUP12, "exact-subgroup12", run_subgroup, ranks=(1, 2)))
 register(2, "exact-update-both", _exact(UPDATE_BOTH, "exact-update-both", run_update_both))
+#: two identical views of each sample in engine.same_samples(), after a clean pass optimizer.zero_grad() forgets
+VIEWS = Spec("mixed", ((3,), (2,)), seed=31, views=2)
+register(2, "exact-views-zero-grad", _exact(VIEWS, "exact-views-zero-grad", run_views))
 
 
 def _check(n: int, name: str) -> None:
@@ -197,3 +200,10 @@ def test_exact_gpt2_every_mode():
                           for name, spec in GPT2.items()])
     for name in GPT2:
         check_exact(world.values(name), oracles[name], 2, f"N=2 {name}")
+
+
+def test_views_after_a_forgotten_pass_on_every_rank():
+    """Each rank: a clean pass of its shard that ``optimizer.zero_grad()`` forgets, then two views of each sample in
+    ``engine.same_samples()`` and one backward pass: the union's oracle of the views' loss (each sample's gradient
+    twice its own, clipped once), bit-identical across ranks."""
+    _check(2, "exact-views-zero-grad")
