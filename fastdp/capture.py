@@ -50,6 +50,7 @@ from fastdp.layers.base import LayerKind, clipping_precision
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry, trainable_change
 from fastdp.records import Record
+from fastdp.sample_sets import SampleSets
 from fastdp.torch_api import (
     grad_accumulator,
     is_batchnorm,
@@ -171,10 +172,7 @@ class Capture:
         self.passes = 0  # backward passes that reached the hooks (the current one's number identifies it)
         self.inert_depth = 0  # > 0: replays and the probe's reference passes run; every hook does nothing
         self.paused = 0  # depth of `with engine.paused()`
-        #: `with engine.same_samples()` in progress: its group (the id of the first forward call after it began)
-        self.same_samples_group: int | None = None
-        self.group_of: dict[int, int] = {}  # forward id of an outermost call -> its same-samples group
-        self.group_pass: dict[int, int] = {}  # same-samples group -> the backward pass that reached its calls
+        self.sample_sets = SampleSets()  # which forward calls see the same samples (engine.same_samples)
         self.anchors: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.expand_off: set[int] = set()  # owners whose expansion failed verification once: always replayed
         #: owner label -> {"expanded": calls, "replayed": calls} of the generic path
@@ -352,8 +350,7 @@ class Capture:
         if self.roots:
             return self.roots[-1].fid
         self.next_forward += 1
-        if self.same_samples_group is not None:  # (a submodule's call inside `with engine.same_samples():`)
-            self.group_of[self.next_forward - 1] = self.same_samples_group
+        self.sample_sets.note(self.next_forward - 1)  # (a submodule's call: its record's own id)
         return self.next_forward - 1
 
     def idle(self) -> bool:
@@ -377,8 +374,8 @@ class Capture:
         if replaced is not None:
             args, kwargs = replaced
         frame = RootFrame(self.next_forward, sys.exc_info()[1], torch.is_grad_enabled())
-        if not self.roots and self.same_samples_group is not None:
-            self.group_of[frame.fid] = self.same_samples_group
+        if not self.roots:
+            self.sample_sets.note(frame.fid)
         self.next_forward += 1
         self.roots.append(frame)  # popped by _root_post, which runs also when this pre-hook raises
         frame.batch = B = batchdim.infer_batch_size(args, kwargs)
@@ -558,7 +555,7 @@ class Capture:
         cfg: ClipConfig = self.engine.clip_config
         sharding = getattr(self.engine, "_sharding", None)
         try:
-            self._check_one_sample_set(done)
+            self.sample_sets.check(done, self.passes)
             # fully_shard: each sharded sum is reduce-scattered to this rank's rows as it is formed
             stream = None if sharding is None else sharding.stream(done, self.plan.param_of)
             try:
@@ -582,55 +579,6 @@ class Capture:
             raise
         self.plan.last_norms.update(result.norms)
         self.sink.add(result)
-
-    def _check_one_sample_set(self, done: list[Record]) -> None:
-        """Refuse a backward pass that reached several forward calls of the model, unless they ran in one
-        ``with engine.same_samples():`` block: their records would be merged by row (row ``i`` of every call taken
-        as sample ``i``), which is right for views of the same samples only (:meth:`PrivacyEngine.same_samples`)."""
-        fids = sorted({r.forward for r in done if not r.rootless})
-        if len(self.group_of) > 4096:  # (forward calls that never got a backward pass keep an entry: the oldest go)
-            for f in sorted(self.group_of)[:2048]:
-                del self.group_of[f]
-        # layers of a submodule called on its own carry no call of the model (each record its own id): a module
-        # with several such records was called several times, on the same samples only inside one block
-        calls: dict[int, list[int]] = {}
-        for r in done:
-            if r.rootless:
-                calls.setdefault(id(r.module), []).append(r.forward)
-        again = [type(r.module).__name__ for r in done if r.rootless and len(calls[id(r.module)]) > 1
-                 and len({self.group_of.get(f, -1 - f) for f in calls[id(r.module)]}) > 1]
-        if again:
-            raise RuntimeError(
-                f"one backward pass reached several calls of {sorted(set(again))[:4]} made outside a call of the "
-                "engine's model (a submodule called on its own, such as model.body(x)) and outside one `with "
-                "engine.same_samples():` block. The engine would take row i of every call as the same sample i and "
-                "clip their sum once. Call the model itself; if the calls see the same samples (two views of each "
-                "sample), run them inside `with engine.same_samples():`; if they see different samples, concatenate "
-                "them into one call (torch.cat along dimension 0) or call backward after each call with that call's "
-                "own loss. Nothing of this backward pass was released.")
-        groups = {self.group_of[f] for r in done if (f := r.forward) in self.group_of}
-        split = sorted(g for g in groups if self.group_pass.setdefault(g, self.passes) != self.passes)
-        if split:
-            raise RuntimeError(
-                "a second backward pass reached forward calls of the model made in one `with engine.same_samples():` "
-                "block: the block says they see the same samples, so each sample's gradient is the sum over those "
-                "calls, clipped once; a backward pass per call would clip each part on its own (a sample then counts "
-                "up to twice). Compute one loss from all the block's outputs and call backward once, or, for "
-                "different samples, make the calls outside the block. Nothing of this backward pass was released.")
-        if len(self.group_pass) > 4096:
-            for g in sorted(self.group_pass)[:2048]:
-                del self.group_pass[g]
-        if len(fids) <= 1 or len({self.group_of.get(f, -1 - f) for f in fids}) == 1:
-            return
-        raise RuntimeError(
-            f"one backward pass reached {len(fids)} forward calls of the model, made outside one `with "
-            "engine.same_samples():` block. The engine would take row i of every call as the same sample i and clip "
-            "their sum once. If the calls see the same samples (two views of each sample, a siamese pair, an output "
-            "fed back), run them inside `with engine.same_samples():`. If they see different samples (a labelled "
-            "and an unlabelled batch, two halves of a batch), concatenate them into one call (torch.cat along "
-            "dimension 0), or call backward after each call with that call's own loss (each backward pass adds its own "
-            "samples to the step, as micro-batches do). "
-            "Nothing of this backward pass was released.")
 
     # ------------------------------------------------------------------ failures
     def on_backward_dropped(self, number: int | None = None) -> None:

@@ -564,13 +564,8 @@ class PrivacyEngine:
         separate backward passes, each on its own call's loss (each adds its samples to the step, as micro-batches
         do). The calls must have the same batch size.
         """
-        outer = self._capture.same_samples_group  # (a nested block belongs to the outer one)
-        if outer is None:
-            self._capture.same_samples_group = self._capture.next_forward
-        try:
+        with self._capture.sample_sets.block(self._capture.next_forward):
             yield
-        finally:
-            self._capture.same_samples_group = outer
 
     def record_release(self, event: Any, label: str = "release") -> None:
         """Record another private release on this engine's data (e.g. a noisy evaluation metric:
