@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import adaptive, amp, checkpoint, config, engine_registry
+from fastdp import adaptive, amp, checkpoint, config, engine_registry, zero_grad
 from fastdp import distributed as fdist
 from fastdp.capture import Capture
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError
@@ -60,38 +60,6 @@ _READ_ONLY = frozenset({
 _SETTINGS = ("batch_size", "sample_size", "sample_rate", "max_grad_norm", "clipping_fn", "clipping_mode",
              "clipping_style", "loss_reduction", "noise_generator", "secure_mode", "on_nonfinite", "enforce_budget",
              "target_epsilon", "target_delta")
-
-
-class _ZeroGradHook:
-    """``optimizer.zero_grad()`` / ``model.zero_grad()`` while attached: besides resetting ``.grad`` (the original
-    method), forget the clipped sums the engine holds for the next step, as torch forgets ``.grad``. The engine keeps
-    its sums apart from ``.grad`` (ghost differentiation), so without this a ``zero_grad()`` between two backward
-    passes (adversarial training: a clean pass for the input's gradient, ``zero_grad()``, then the adversarial pass)
-    released both passes, one sample counting twice. Removed by :meth:`remove` (``detach``): an instance attribute
-    over the class's method."""
-
-    def __init__(self, engine: PrivacyEngine, owner: Any) -> None:
-        self.engine, self.owner = engine, owner
-        self.original = owner.zero_grad
-        owner.zero_grad = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        rel = self.engine._release
-        if rel.summed or rel.backward_seen:
-            logger.info("%s.zero_grad(): the clipped sums of %d backward pass(es) since the last step are discarded, "
-                        "as .grad is", type(self.owner).__name__, rel.step_passes)
-            rel.clear_step()
-            rel.clip_counter.discard()
-        return self.original(*args, **kwargs)
-
-    def remove(self) -> None:
-        if self.owner.__dict__.get("zero_grad") is self:
-            del self.owner.zero_grad
-
-
-def zero_grad_hooks(engine: PrivacyEngine, owners: tuple[Any, ...]) -> list[_ZeroGradHook]:
-    """A :class:`_ZeroGradHook` on each of ``owners`` (the optimizer, the model); handles with ``remove()``."""
-    return [_ZeroGradHook(engine, o) for o in owners]
 
 
 class PrivacyEngine:
@@ -432,7 +400,7 @@ class PrivacyEngine:
         self._capture.install()
         self._handles.append(optimizer.register_step_pre_hook(self._release.pre_step))
         self._handles.append(register_other_step_hook(self._release))
-        self._handles.extend(zero_grad_hooks(self, (optimizer, self.model)))
+        self._handles.extend(zero_grad.hooks(self, (optimizer, self.model)))
         ATTACHED.add(optimizer)
         if scaler is not None:
             self._release.scaler = amp.ScalerLink(self._release, scaler)
