@@ -158,11 +158,12 @@ def clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Param
 
 
 def _zero_rows(t: Any, bad: torch.Tensor) -> Any:
-    """``t`` with the sample rows flagged ``bad`` (``(B,)`` bool) set to 0, by ``torch.where`` (no host read; a new
-    tensor, ``t`` is never changed); anything that is not a floating tensor with ``B`` rows is returned as is."""
+    """``t`` with the sample rows flagged ``bad`` (``(B,)`` bool) set to 0, by ``masked_fill`` with a Python 0 (no host
+    read, no host-to-device copy of a CPU scalar tensor, which CUDA's sync debug mode reports; a new tensor, ``t`` is
+    never changed); anything that is not a floating tensor with ``B`` rows is returned as is."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != len(bad):
         return t
-    return torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype), t)
+    return t.masked_fill(bad.view(-1, *([1] * (t.dim() - 1))), 0)
 
 
 def _sanitize(rec: Record, bad: torch.Tensor) -> None:
@@ -275,7 +276,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             # step 3 zero their rows of each record just before it is summed (one record's copy at a time), as
             # the branch below does for the whole pass once it has seen one
             zero = bad
-            group_sq = {k: torch.where(bad, torch.zeros((), dtype=sq.dtype), sq) for k, sq in group_sq.items()}
+            group_sq = {k: sq.masked_fill(bad, 0) for k, sq in group_sq.items()}
             nonfinite_count = bad.sum()
         elif bool(bad.any()):
             idx = bad.nonzero().flatten().tolist()

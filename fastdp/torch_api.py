@@ -254,8 +254,11 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
     # contiguous: off the CPU both kernels refuse another layout (a (1, B C, S) view of a sliced input can be one)
     x, grad_out = x.contiguous(), grad_out.contiguous()
     _, mean, rstd = torch.native_group_norm(x, None, None, 1, C, hw, groups, eps)
+    # a weight of ones: the weight and bias gradients do not depend on it, and torch allocates them like the weight
+    # (``empty_like(gamma)``), which off the CPU fails for none ("tensor does not have a device", CUDA, torch 2.11)
+    ones = torch.ones(C, dtype=x.dtype, device=x.device)
     _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
-        grad_out, x, mean, rstd, None, 1, C, hw, groups, [False, True, True])
+        grad_out, x, mean, rstd, ones, 1, C, hw, groups, [False, True, True])
     return weight_grad, bias_grad
 
 
