@@ -80,8 +80,11 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch
 #: strips gained little more at T 512 and 1024 and lost at T 128 and 256. Below T 128 the whole matrices: two strips
 #: at T 64 were 0.91-0.95x alone but 0.975-0.988x in whole steps (``--levers gram-strips``, gram_strips/
 #: time_cpu_T64_two_strips.json: the strips' extra calls).
-#: The GPU's (128, 8) is not measured.
-GRAM_STRIP = {"cpu": (64, 4), "default": (128, 8)}
+#: Elsewhere (``"default"``) the whole matrices: on an NVIDIA H200 (torch 2.11, ``python benchmarks/levers.py
+#: --gram-ops --device cuda``, benchmarks/results/gram_strips/gram_ops_cuda_h200.json) 2 to 16 strips took 1.46-13.75x
+#: the whole matrices' time at T 64 to 1024, growing with the number of strips, and a GPT-2-small T 512 step took
+#: 218.7 ms with the strips (128, 8) against 214.5 ms with whole matrices (docs/results/cuda.md, 2026-11-27).
+GRAM_STRIP = {"cpu": (64, 4), "default": (1, 1)}
 
 
 #: on these device types a Gram matrix whose ``T`` is not a multiple of the value is cut so that its ``T mod a``
