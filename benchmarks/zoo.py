@@ -24,7 +24,8 @@ A *method* is how one training step is taken:
   (``fastdp.layers.fold_guard.RowGuard`` replaced by :class:`NoRowGuard`: what the guard costs a model whose layers
   see the batch folded, OPT); ``non-private, bf16 autocast`` and ``fastdp BK-MixOpt, bf16 autocast`` (the forward
   pass and the loss under ``torch.autocast(dtype=torch.bfloat16)`` on the workload's device, ``AUTOCAST``; the
-  parameters stay float32).
+  parameters stay float32), and ``fastdp BK-MixOpt, bf16 autocast, bf16 products`` (the same with the clipping
+  stage's products of bf16 calls in bf16 with float32 accumulation: ``fastdp.layers._matmul.BF16_PRODUCTS``).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -80,11 +81,13 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, aligned Grams": ({}, {}),
     f"{DEFAULT_METHOD}, no fold guard": ({}, {}),
     f"{DEFAULT_METHOD}, bf16 autocast": ({}, {}),
+    f"{DEFAULT_METHOD}, bf16 autocast, bf16 products": ({}, {}),
 }
 #: methods whose forward pass and loss run under ``torch.autocast`` in this dtype (mixed precision)
 AUTOCAST: dict[str, torch.dtype] = {
     "non-private, bf16 autocast": torch.bfloat16,
     f"{DEFAULT_METHOD}, bf16 autocast": torch.bfloat16,
+    f"{DEFAULT_METHOD}, bf16 autocast, bf16 products": torch.bfloat16,
 }
 #: A/B variants that set a fastdp module constant for the duration of each of their steps: method -> [(module,
 #: attribute, value)]
@@ -94,6 +97,9 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     f"{DEFAULT_METHOD}, aligned Grams": [("fastdp.layers._matmul", "GRAM_ALIGN", {"cpu": 16, "cuda": 16})],
     # what the rows-chosen-by-the-data guard costs a model with folded calls (OPT): it replaced by a no-op
     f"{DEFAULT_METHOD}, no fold guard": [("fastdp.layers.fold_guard", "RowGuard", NoRowGuard)],
+    # the clipping stage's products of bf16 calls in bf16 with float32 accumulation (off by default)
+    f"{DEFAULT_METHOD}, bf16 autocast, bf16 products": [("fastdp.layers._matmul", "BF16_PRODUCTS",
+                                                          frozenset({"cpu", "cuda"}))],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS, "non-private, bf16 autocast")

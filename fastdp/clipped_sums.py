@@ -118,7 +118,9 @@ def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str
     module = rec.module
     with torch.enable_grad():
         leaves = {n: to_accumulation(getattr(module, n).detach()).requires_grad_(True) for n in names}
-        out = functional_call(module, leaves, (to_accumulation(rec.activation),))
+        operand = getattr(rec.kind, "operand_activation", None)  # the input as the norms read it (bf16 products)
+        act = rec.activation if operand is None else operand(rec.activation, rec.grad_output)
+        out = functional_call(module, leaves, (to_accumulation(act),))
         g = to_accumulation(rec.grad_output)
         # the product in float32: under a loss scale, coef is ~1/S and g ~S (either alone may leave float16's range)
         weights = (g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))).to(out.dtype)

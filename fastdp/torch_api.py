@@ -166,6 +166,30 @@ def ieee_float32() -> Iterator[None]:
             t.fp32_precision = value
 
 
+def bf16_matmul_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two bfloat16 matrices ``(n, k) @ (k, m)`` or batches ``(N, n, k) @ (N, k, m)`` as float32: each
+    product of two bfloat16 numbers is exact in float32, and the sums are accumulated and returned in float32.
+
+    On CUDA the ATen overloads ``aten::mm.dtype`` / ``aten::bmm.dtype`` (outside the documented API: bfloat16 inputs,
+    float32 output, one tensor-core product), with cuBLAS's reduced-precision bfloat16 reductions switched off for
+    the call. Elsewhere, or where torch has no such overload: both operands cast to float32 and multiplied there,
+    which gives the same exact products at float32's rate.
+    """
+    if a.dim() not in (2, 3) or a.dim() != b.dim():
+        raise ValueError(f"bf16_matmul_float32 takes two matrices or two batches, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    op = getattr(torch.ops.aten.mm if a.dim() == 2 else torch.ops.aten.bmm, "dtype", None)
+    if a.device.type != "cuda" or op is None:
+        return torch.matmul(a.float(), b.float())
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        return op(a.to(torch.bfloat16), b.to(torch.bfloat16), torch.float32)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved
+
+
 def grad_scaler_scale(scaler: Any) -> torch.Tensor | float:
     """A ``torch.amp.GradScaler``'s current scale ``S`` without a host read where it can be had: its scale tensor
     (the private ``_scale``, a ``(1,)`` float32 tensor on the device once ``scale()`` has run) as a 0-dim float64
@@ -262,7 +286,7 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
     return weight_grad, bias_grad
 
 
-__all__ = ["BatchNormBase", "TorchFunctionMode", "current_graph_task_id", "fsdp_params", "fsdp_unsharded_param",
-           "group_norm_affine_grads", "grad_accumulator", "grad_hooks", "ieee_float32", "pass_accumulates",
-           "is_batchnorm", "queue_engine_callback", "set_parameter_slot", "set_requires_grad", "tree_flatten",
-           "tree_map", "tree_unflatten", "view_base"]
+__all__ = ["BatchNormBase", "TorchFunctionMode", "bf16_matmul_float32", "current_graph_task_id", "fsdp_params",
+           "fsdp_unsharded_param", "grad_accumulator", "grad_hooks", "group_norm_affine_grads", "ieee_float32",
+           "is_batchnorm", "pass_accumulates", "queue_engine_callback", "set_parameter_slot", "set_requires_grad",
+           "tree_flatten", "tree_map", "tree_unflatten", "view_base"]

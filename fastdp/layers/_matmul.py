@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from torch import nn
 from fastdp.layers import _factored
 from fastdp.layers._factored import Factors
 from fastdp.layers.base import LayerKind, to_accumulation
+from fastdp.torch_api import bf16_matmul_float32
 
 
 def prefers_ghost(A: torch.Tensor, G: torch.Tensor) -> bool:
@@ -57,20 +58,105 @@ def instantiation_fits(A: torch.Tensor, G: torch.Tensor, readers: int = 1) -> bo
     return p * d * readers <= INSTANTIATION_SLACK * T * (p * readers + d)
 
 
-def per_sample_grad(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """Per-sample weight gradients ``(B, g, p, d)``."""
-    return torch.einsum("bgtp,bgtd->bgpd", G, A)
+#: device types on which a Linear-like call that ran in bfloat16 (under bfloat16 autocast, or in a bfloat16 model) has
+#: the matrix products of its weight's per-sample norm and clipped sum formed from bfloat16 operands with float32
+#: accumulation and output (:func:`fastdp.torch_api.bf16_matmul_float32`: tensor cores on CUDA) instead of IEEE
+#: float32 ones. Exact in the same sense as the float32 path: the input is taken rounded to bfloat16 as the forward's
+#: own product took it (:func:`narrow_dtype`), so both operands hold bfloat16 values and every product of two is exact
+#: in float32; the scaled operand ``coef_i G_i`` of the clipped sum, a float32 tensor, is split exactly into three
+#: bfloat16 tensors (:func:`split_bf16`), one product each. Norms, clipped sums and GhostClip's replay all read the
+#: same rounded input, so ``||coef_i g_i|| <= R`` holds to float32 rounding. Empty (off everywhere): not yet measured
+#: on a GPU, where the float32 path made a bf16-autocast step 2.84x non-private training's (docs/results/cuda.md).
+BF16_PRODUCTS: frozenset[str] = frozenset()
 
 
-def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True) -> torch.Tensor:
+def narrow_dtype(grad_output: torch.Tensor) -> torch.dtype | None:
+    """``torch.bfloat16`` when a call's products may run in bfloat16 (:data:`BF16_PRODUCTS`): its output gradient is
+    bfloat16 (its forward product ran in bfloat16, so it read its input rounded to bfloat16) on such a device; else
+    ``None``."""
+    if grad_output.dtype == torch.bfloat16 and grad_output.device.type in BF16_PRODUCTS:
+        return torch.bfloat16
+    return None
+
+
+class Operands(tuple):
+    """The canonical ``(A, G)`` of a call (a pair: ``A, G = ctx`` unpacks it), in float32, with :attr:`narrow`:
+    ``torch.bfloat16`` when both hold bfloat16 values only and their products run in bfloat16 with float32
+    accumulation (:data:`BF16_PRODUCTS`), else ``None``."""
+
+    narrow: torch.dtype | None
+
+    def __new__(cls, A: torch.Tensor | None, G: torch.Tensor, narrow: torch.dtype | None = None) -> Operands:
+        self = super().__new__(cls, (A, G))
+        self.narrow = narrow
+        return self
+
+
+def narrow_of(ctx: Any) -> torch.dtype | None:
+    """The :attr:`Operands.narrow` of a call's canonical form (``None`` for a plain pair)."""
+    return getattr(ctx, "narrow", None)
+
+
+def product(x: torch.Tensor, y: torch.Tensor, narrow: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ y`` over the last two dimensions (leading dimensions equal), in float32: IEEE float32 products, or with
+    ``narrow`` (operands holding bfloat16 values) bfloat16 products accumulated in float32."""
+    if narrow is None:
+        return torch.matmul(x, y)
+    lead = x.shape[:-2]
+    out = bf16_matmul_float32(x.to(narrow).reshape(-1, *x.shape[-2:]), y.to(narrow).reshape(-1, *y.shape[-2:]))
+    return out.view(*lead, x.shape[-2], y.shape[-1])
+
+
+def _truncated_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` cut to bfloat16 toward zero (its low 16 bits dropped): a bfloat16 value never larger in
+    magnitude than ``x``, so it cannot overflow where rounding to nearest would (above bfloat16's largest finite)."""
+    return (x.contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three bfloat16 tensors whose sum is the float32 ``x`` exactly: ``hi`` = ``x`` cut to bfloat16 (toward zero,
+    :func:`_truncated_bf16`), ``mid`` the remainder cut the same way, ``lo`` the rest. ``x``'s 24 significant bits
+    span 24 positions; ``hi`` takes the top 8, the remainder (exact in float32) spans at most the 16 below, ``mid``
+    takes its top 8 significant bits and the rest spans at most 8 positions, which bfloat16 holds exactly (it has
+    float32's exponent range; only a rest below bfloat16's smallest subnormal, ``2^-133``, where ``|x| < 2^-110``,
+    is lost)."""
+    hi = _truncated_bf16(x)
+    rest = x - hi.float()
+    mid = _truncated_bf16(rest)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return hi, mid, lo
+
+
+def _split_product(x: torch.Tensor, y: torch.Tensor, narrow: torch.dtype | None) -> torch.Tensor:
+    """``x @ y`` (2-D) for a float32 ``x`` and a ``y`` holding ``narrow`` values: IEEE float32 without ``narrow``;
+    with it, the sum of the products of ``x``'s exact three-way bfloat16 split (:func:`split_bf16`) with ``y``."""
+    if narrow is None:
+        return torch.mm(x, y)
+    yb = y.to(narrow)
+    out = None
+    for part in split_bf16(x):
+        term = bf16_matmul_float32(part, yb)
+        out = term if out is None else out.add_(term)
+    return out
+
+
+def per_sample_grad(A: torch.Tensor, G: torch.Tensor, narrow: torch.dtype | None = None) -> torch.Tensor:
+    """Per-sample weight gradients ``(B, g, p, d)``: ``G_i^T A_i`` (:func:`product`)."""
+    if narrow is None:
+        return torch.einsum("bgtp,bgtd->bgpd", G, A)
+    return product(G.transpose(-1, -2), A, narrow)
+
+
+def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True,
+                  narrow: torch.dtype | None = None) -> torch.Tensor:
     """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices in strips
     (:func:`gram_strips`, :func:`strips_inner`). ``share``: the input Gram may come from (and go to) the cache of
     :func:`shared_input_grams` (only for an ``A`` that stays alive for the whole pass: the cache is keyed by its
-    storage)."""
+    storage). ``narrow``: the Gram products in bfloat16 with float32 accumulation (:func:`product`)."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
         return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
-    aat = input_grams(A) if share else gram_strips(A)
-    return strips_inner(aat, gram_strips(G))
+    aat = input_grams(A, narrow) if share else gram_strips(A, narrow)
+    return strips_inner(aat, gram_strips(G, narrow))
 
 
 #: how :func:`gram_strips` cuts a ``T x T`` Gram matrix, by device type (others: ``"default"``): ``(h, K)``, strips of
@@ -113,7 +199,7 @@ def leading_rows(X: torch.Tensor) -> int:
     return T % a if a > 1 and T > a else 0
 
 
-def gram_strips(X: torch.Tensor) -> list[torch.Tensor]:
+def gram_strips(X: torch.Tensor, narrow: torch.dtype | None = None) -> list[torch.Tensor]:
     """The upper triangle of ``X_i X_i^T`` (``X`` ``(B, g, T, m)``) in strips: strip ``k`` is rows ``[s_k, s_{k+1})``
     against columns ``[s_k, T)``, ``(B, g, s_{k+1} - s_k, T - s_k)``, its leading square block on the diagonal.
 
@@ -124,16 +210,17 @@ def gram_strips(X: torch.Tensor) -> list[torch.Tensor]:
 
     A Gram matrix is symmetric, so the strips hold everything; ``K`` strips take about ``(K + 1) / 2K`` of the full
     product's multiply-adds (5/8 for 4 strips), and the largest is ``h x T``, not ``T x T``. One strip (``K = 1``,
-    ``r = 0``): the full Gram matrix."""
+    ``r = 0``): the full Gram matrix. ``narrow``: the products as :func:`product` forms them."""
     T = X.shape[2]
     r = leading_rows(X)
     K = strip_count(X)
     if K == 1 and r == 0:
-        return [torch.matmul(X, X.transpose(-1, -2))]
+        return [product(X, X.transpose(-1, -2), narrow)]
     h = -(-(T - r) // K)
     starts = ([0] if r else []) + list(range(r, T, h))
     ends = starts[1:] + [T]
-    return [torch.matmul(X[:, :, lo:hi], X[:, :, lo:].transpose(-1, -2)) for lo, hi in zip(starts, ends, strict=True)]
+    return [product(X[:, :, lo:hi], X[:, :, lo:].transpose(-1, -2), narrow)
+            for lo, hi in zip(starts, ends, strict=True)]
 
 
 def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
@@ -174,17 +261,17 @@ def shared_input_grams() -> Iterator[None]:
         _input_grams.reset(token)
 
 
-def input_grams(A: torch.Tensor) -> list[torch.Tensor]:
+def input_grams(A: torch.Tensor, narrow: torch.dtype | None = None) -> list[torch.Tensor]:
     """:func:`gram_strips` of ``A`` (``A_i A_i^T`` per sample and group), from the pass's cache when the same input
     (same storage, offset, shape, strides, dtype and version counter) was the latest one seen."""
     cache = _input_grams.get()
     if cache is None:
-        return gram_strips(A)
-    key = (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version)
+        return gram_strips(A, narrow)
+    key = (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version, narrow)
     strips = cache.get(key)
     if strips is None:
         cache.clear()  # free the previous input's Gram before forming this one
-        strips = cache[key] = gram_strips(A)
+        strips = cache[key] = gram_strips(A, narrow)
     return strips
 
 
@@ -220,17 +307,26 @@ def _scaled(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.mul(X, c, out=buf[:X.numel()].view(X.shape))
 
 
-def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor,
+                narrow: torch.dtype | None = None) -> torch.Tensor:
     """``sum_i coef_i G_i^T A_i``, shape ``(g, p, d)``: one contraction over samples and positions. The smaller
-    operand is scaled (in the reused buffer of :func:`reused_scratch` when inside it)."""
+    operand is scaled (in the reused buffer of :func:`reused_scratch` when inside it). ``narrow`` (one group): the
+    scaled operand split exactly into three bfloat16 tensors, each multiplied in bfloat16 with float32 accumulation
+    (:func:`split_bf16`); the other operand holds bfloat16 values already."""
     B, g, T, p = G.shape
     c = coef.to(G.dtype).view(-1, 1, 1, 1)
-    if A.numel() < G.numel():  # scale whichever operand is smaller
+    scale_a = A.numel() < G.numel()  # scale whichever operand is smaller
+    if scale_a:
         A = _scaled(A, c)
     else:
         G = _scaled(G, c)
     if g == 1:  # one matmul (p, B T) @ (B T, d) on views, like autograd's own weight gradient
-        return torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, A.shape[-1])).unsqueeze(0)
+        Gt, A2 = G.reshape(B * T, p).t(), A.reshape(B * T, A.shape[-1])
+        if narrow is not None and scale_a:  # (A^T G)^T: the scaled operand on the left of the split product
+            return _split_product(A2.t(), Gt.t(), narrow).t().unsqueeze(0)
+        return _split_product(Gt, A2, narrow).unsqueeze(0)
+    if narrow is not None:
+        raise ValueError("bfloat16 products are formed for one group only (Linear-like calls)")
     return torch.einsum("bgtp,bgtd->gpd", G, A)
 
 
@@ -239,8 +335,30 @@ class OuterProductKind(LayerKind):
     bias trains). Weight: ghost norm, instantiation or book-keeping contraction; bias ``(g * p,)``: ``G`` summed
     over positions."""
 
+    #: whether :meth:`canonical` takes a call that ran in bfloat16 at its bfloat16 input, for bfloat16 products
+    #: (:data:`BF16_PRODUCTS`): Linear-like kinds whose ``A`` is the input itself (not convolutions' patches)
+    narrow_products: ClassVar[bool] = False
+
     def ghost_names(self, module: nn.Module) -> frozenset[str]:
         return frozenset({"weight"})
+
+    def operand_activation(self, activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """The input as the weight's products read it: rounded to bfloat16 where :func:`narrow_dtype` says so (for
+        a kind with :attr:`narrow_products`), so that the norms, clipped sums and GhostClip's replay agree."""
+        narrow = narrow_dtype(grad_output) if self.narrow_products else None
+        return activation if narrow is None else activation.to(narrow)
+
+    def canonical(self, activation: torch.Tensor | None, grad_output: torch.Tensor, B: int, T: int) -> Operands:
+        """``(A, G)`` ``(B, 1, T, d)``, ``(B, 1, T, p)`` in float32 from a Linear-like call's input ``(B, *, d)`` and
+        output gradient ``(B, *, p)`` (``T`` positions), marked :attr:`Operands.narrow` where the products may run
+        in bfloat16."""
+        narrow = narrow_dtype(grad_output) if self.narrow_products else None
+        G = to_accumulation(grad_output).reshape(B, 1, T, grad_output.shape[-1])
+        A = None
+        if activation is not None:
+            A = to_accumulation(self.operand_activation(activation, grad_output)).reshape(B, 1, T,
+                                                                                           activation.shape[-1])
+        return Operands(A, G, narrow)
 
     def position_dims(self, grad_output: torch.Tensor) -> tuple[int, ...]:
         """The positions of an output gradient (Linear-like ``(B, *, p)``: the middle dimensions)."""
@@ -257,19 +375,20 @@ class OuterProductKind(LayerKind):
         return name == "bias" or instantiation_fits(*ctx, readers)
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
-        return ghost_norm_sq(*ctx)
+        A, G = ctx
+        return ghost_norm_sq(A, G, narrow=narrow_of(ctx))
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         A, G = ctx
         if name == "bias":
             return G.sum(dim=2).flatten(1)
-        return per_sample_grad(A, G).reshape(G.shape[0], *module.weight.shape)
+        return per_sample_grad(A, G, narrow_of(ctx)).reshape(G.shape[0], *module.weight.shape)
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         A, G = ctx
         if name == "bias":
             return torch.einsum("b,bp->p", coef.to(G.dtype), G.sum(dim=2).flatten(1))
-        return clipped_sum(A, G, coef).reshape(module.weight.shape)
+        return clipped_sum(A, G, coef, narrow_of(ctx)).reshape(module.weight.shape)
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         A, G = ctx

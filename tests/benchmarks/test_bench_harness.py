@@ -180,7 +180,7 @@ def test_variants_set_their_switches():
     full = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, full Grams", torch.device("cpu"))
     real_strips = matmul.gram_strips
     try:
-        matmul.gram_strips = lambda X: strips.append(matmul.strip_count(X)) or real_strips(X)
+        matmul.gram_strips = lambda X, *a: strips.append(matmul.strip_count(X)) or real_strips(X, *a)
         full(zoo.make_batch(w, torch.device("cpu")))
     finally:
         matmul.gram_strips = real_strips
@@ -189,11 +189,21 @@ def test_variants_set_their_switches():
     aligned = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, aligned Grams", torch.device("cpu"))
     seen_align = []
     try:
-        matmul.gram_strips = lambda X: seen_align.append(dict(matmul.GRAM_ALIGN)) or real_strips(X)
+        matmul.gram_strips = lambda X, *a: seen_align.append(dict(matmul.GRAM_ALIGN)) or real_strips(X, *a)
         aligned(zoo.make_batch(w, torch.device("cpu")))
     finally:
         matmul.gram_strips = real_strips
     assert seen_align and all(a.get("cpu") == 16 for a in seen_align) and matmul.GRAM_ALIGN == {}  # its steps only
+
+    half = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, bf16 autocast, bf16 products", torch.device("cpu"))
+    products = []
+    real_mm = matmul.bf16_matmul_float32
+    try:
+        matmul.bf16_matmul_float32 = lambda a, b: products.append(a.dtype) or real_mm(a, b)
+        half(zoo.make_batch(w, torch.device("cpu")))
+    finally:
+        matmul.bf16_matmul_float32 = real_mm
+    assert products and set(products) == {torch.bfloat16} and matmul.BF16_PRODUCTS == frozenset()  # its steps only
 
 
 def test_workload_refuses_a_width_set_without_the_model():

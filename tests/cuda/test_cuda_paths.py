@@ -29,6 +29,8 @@ from oracle import (
 )
 from torch import nn
 
+from fastdp.layers import _matmul
+
 quiet_transformers()
 
 DEVICE = os.environ.get("FASTDP_TEST_DEVICE", "cuda")
@@ -247,14 +249,21 @@ def test_the_tf32_test_can_fail(name, monkeypatch):
         test_user_tf32_settings_do_not_reach_the_clipping(name, "new fp32_precision tf32", "ghost")
 
 
+#: (autocast dtype, whether the clipping stage forms bfloat16 products: fastdp.layers._matmul.BF16_PRODUCTS, the
+#: tensor-core products of fastdp.torch_api.bf16_matmul_float32 on CUDA)
+AUTOCAST = [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)]
+
+
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dtype", "bf16_products"), AUTOCAST)
 @pytest.mark.parametrize("name", ["mlp", "gpt2"])
-def test_autocast_on_the_device_matches_the_autocast_oracle(name, dtype, mode):
+def test_autocast_on_the_device_matches_the_autocast_oracle(name, dtype, bf16_products, mode, monkeypatch):
     """bf16/fp16 autocast on the device (float32 master weights), against per-sample gradients computed under the
     same autocast one sample at a time and clipped in float64. Tolerance 4 u as in
     tests/models/test_autocast_oracle.py (the oracle's weight gradients are rounded to the autocast dtype); the
     unclipped sum must be off by more than 10x that."""
+    if bf16_products:
+        monkeypatch.setattr(_matmul, "BF16_PRODUCTS", frozenset({DEVICE}))
     model, loss, data = family(name, torch.float32)
     m = copy.deepcopy(model).to(DEVICE)
     names = trainable_names(m)
@@ -281,10 +290,13 @@ def test_autocast_on_the_device_matches_the_autocast_oracle(name, dtype, mode):
 
 @pytest.mark.parametrize("R", [1e-6, 1.0])
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_each_clipped_gradient_stays_within_the_threshold_under_autocast_on_the_device(dtype, mode, R):
+@pytest.mark.parametrize(("dtype", "bf16_products"), AUTOCAST)
+def test_each_clipped_gradient_stays_within_the_threshold_under_autocast_on_the_device(dtype, bf16_products, mode, R,
+                                                                                      monkeypatch):
     """``||C_1 g_1|| <= R`` for a batch of one under bf16/fp16 autocast on the device, every sample clipped (GhostClip's
     second backward once replayed the autocast and released up to 1.6 R in fp16 at R 1e-6)."""
+    if bf16_products:
+        monkeypatch.setattr(_matmul, "BF16_PRODUCTS", frozenset({DEVICE}))
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
     g = torch.Generator().manual_seed(4)

@@ -133,14 +133,14 @@ def test_norms_and_sums_stay_exact_under_a_bf16_float32_setting(mode, monkeypatc
 
     real_ghost, real_sum = matmul_mod.ghost_norm_sq, matmul_mod.clipped_sum
 
-    def ghost(A, G, share=True):
-        got = real_ghost(A, G, share)
+    def ghost(A, G, share=True, narrow=None):
+        got = real_ghost(A, G, share, narrow)
         want = torch.einsum("bgtp,bgtd->bgpd", G.double(), A.double()).flatten(1).square().sum(1)
         errors.append(rel(got, want))
         return got
 
-    def contraction(A, G, coef):
-        got = real_sum(A, G, coef)
+    def contraction(A, G, coef, narrow=None):
+        got = real_sum(A, G, coef, narrow)
         want = torch.einsum("b,bgtp,bgtd->gpd", coef.double(), G.double(), A.double())
         errors.append(rel(got, want))
         return got

@@ -92,11 +92,12 @@ def gram_calls(monkeypatch):
     counts = {"formed": 0, "shared": 0}
     real_input_grams = _matmul.input_grams
 
-    def counting(A):
+    def counting(A, narrow=None):
         cache = _matmul._input_grams.get()
-        key = None if cache is None else (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version)
+        key = None if cache is None else (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version,
+                                          narrow)
         counts["shared" if key is not None and key in cache else "formed"] += 1
-        return real_input_grams(A)
+        return real_input_grams(A, narrow)
 
     monkeypatch.setattr(_matmul, "input_grams", counting)
     return counts

@@ -21,6 +21,8 @@ from model_oracle import LMWrap, gpt2, lm_batches, lm_loss, quiet_transformers, 
 from oracle import choose_R, clipped_sum, make_engine, make_groups, released_grads, trainable_names
 from torch import nn
 
+from fastdp.layers import _matmul
+
 quiet_transformers()
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -54,11 +56,17 @@ def build(family):
     return LMWrap(gpt2()), lm_loss, [((x,), y) for (x,), y in lm_batches([3, 1], 80)]
 
 
+#: (autocast dtype, whether the clipping stage forms bfloat16 products: fastdp.layers._matmul.BF16_PRODUCTS)
+DTYPES = [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)]
+
+
 @pytest.mark.parametrize("scale", [None, 2.0**10])
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost", "instantiate"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dtype", "bf16_products"), DTYPES)
 @pytest.mark.parametrize("family", ["mlp", "gpt2"])
-def test_autocast_release_matches_autocast_oracle(family, dtype, mode, scale):
+def test_autocast_release_matches_autocast_oracle(family, dtype, bf16_products, mode, scale, monkeypatch):
+    if bf16_products:
+        monkeypatch.setattr(_matmul, "BF16_PRODUCTS", frozenset({"cpu"}))
     model, loss, data = build(family)
     names = trainable_names(model)
     B = sum(x[0].shape[0] for x, _ in data)
@@ -125,12 +133,15 @@ def test_backward_inside_autocast_clips_in_float32(family, dtype, mode):
 @pytest.mark.parametrize("R", [1e-6, 1e-2, 1.0])
 @pytest.mark.parametrize("scale", [None, 2.0**10])
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_each_samples_clipped_gradient_stays_within_the_threshold_under_autocast(dtype, mode, scale, R):
+@pytest.mark.parametrize(("dtype", "bf16_products"), DTYPES)
+def test_each_samples_clipped_gradient_stays_within_the_threshold_under_autocast(dtype, bf16_products, mode, scale,
+                                                                                R, monkeypatch):
     """The sensitivity bound itself: a batch of one sample, every sample clipped, noise off, so the release times B
     is ``C_1 g_1``, whose norm must not exceed ``R`` beyond float32 rounding, in every mode. GhostClip's second
     backward (``ghost``, and the replays of ``BK-MixGhostClip``) once re-entered the forward's float16 autocast:
     ``coef_i G_i`` then rounded to float16 (subnormal at small ``R``) and released up to 1.6 R."""
+    if bf16_products:
+        monkeypatch.setattr(_matmul, "BF16_PRODUCTS", frozenset({"cpu"}))
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
     g = torch.Generator().manual_seed(4)

@@ -16,7 +16,6 @@ from torch import nn
 
 from fastdp.layers import _matmul
 from fastdp.layers._factored import Factors
-from fastdp.layers.base import to_accumulation
 from fastdp.layers.registry import register
 from fastdp.layers.spec import DocRow, OracleCase
 
@@ -35,6 +34,7 @@ def _conv1d(nf: int, nx: int) -> nn.Module:
 class HFConv1DKind(_matmul.OuterProductKind):
     module_type_names = ("transformers.pytorch_utils.Conv1D",)
     foldable = True
+    narrow_products = True
     doc = DocRow("HF `transformers.pytorch_utils.Conv1D` (GPT-2)", "weight, bias",
                  "as `nn.Linear` (the weight is stored transposed, `(d, p)`)",
                  "matched by qualified class name: fastdp does not import transformers.")
@@ -47,11 +47,9 @@ class HFConv1DKind(_matmul.OuterProductKind):
     def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
         if grad_output.dim() < 2:
             raise ValueError(f"Conv1D input has no batch dimension (output {tuple(grad_output.shape)})")
-        B, p = grad_output.shape[0], grad_output.shape[-1]
+        B = grad_output.shape[0]
         T = math.prod(grad_output.shape[1:-1])  # explicit: B may be 0 (empty batch)
-        G = to_accumulation(grad_output).reshape(B, 1, T, p)
-        A = None if activation is None else to_accumulation(activation).reshape(B, 1, T, activation.shape[-1])
-        return A, G
+        return self.canonical(activation, grad_output, B, T)
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         A, G = ctx
@@ -63,10 +61,13 @@ class HFConv1DKind(_matmul.OuterProductKind):
         if name == "bias":
             return super().per_sample_grad(module, ctx, name)
         A, G = ctx
-        return torch.einsum("bgtd,bgtp->bdp", A, G)
+        narrow = _matmul.narrow_of(ctx)
+        if narrow is None:
+            return torch.einsum("bgtd,bgtp->bdp", A, G)
+        return _matmul.product(A.transpose(-1, -2), G, narrow).reshape(A.shape[0], A.shape[-1], G.shape[-1])
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         if name == "bias":
             return super().clipped_sum(module, ctx, name, coef)
         A, G = ctx
-        return _matmul.clipped_sum(G, A, coef).reshape(module.weight.shape)
+        return _matmul.clipped_sum(G, A, coef, _matmul.narrow_of(ctx)).reshape(module.weight.shape)

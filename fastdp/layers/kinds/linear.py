@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from fastdp.layers import _matmul
-from fastdp.layers.base import to_accumulation
 from fastdp.layers.registry import register
 from fastdp.layers.spec import DocRow, OracleCase
 
@@ -22,6 +21,7 @@ from fastdp.layers.spec import DocRow, OracleCase
 class LinearKind(_matmul.OuterProductKind):
     module_types = (nn.Linear,)
     foldable = True
+    narrow_products = True
     doc = DocRow(
         "`nn.Linear`", "weight, bias", "weight: ghost norm or instantiation (cost model); bias: instantiated",
         "any number of leading dims `(B, *, d)`; positions `T` = all dims between batch and features. A bias-only "
@@ -34,13 +34,9 @@ class LinearKind(_matmul.OuterProductKind):
                 OracleCase("bias only", lambda: nn.Linear(4, 3), (3, 4), frozen=("weight",)))
 
     def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
-        B, p = grad_output.shape[0], grad_output.shape[-1]
+        B = grad_output.shape[0]
         if grad_output.dim() < 2:
             raise ValueError(
                 f"{type(module).__name__} input has no batch dimension (output {tuple(grad_output.shape)})")
         T = math.prod(grad_output.shape[1:-1])  # explicit: B may be 0 (empty batch)
-        G = to_accumulation(grad_output).reshape(B, 1, T, p)
-        A = None
-        if activation is not None:
-            A = to_accumulation(activation).reshape(B, 1, T, activation.shape[-1])
-        return A, G
+        return self.canonical(activation, grad_output, B, T)
