@@ -118,6 +118,25 @@ def run_views(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
             "rank": engine.rank, "steps": engine.steps}
 
 
+def run_input_grads(ctx: Any, spec: Spec, R: float) -> dict[str, Any]:
+    """Two input-gradient passes on this rank's batch, as adversarial training takes them
+    (``torch.autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])``: neither accumulates into a parameter), then
+    a training pass on the same batch: the step releases the training pass only, on every rank."""
+    model = build(spec.model, spec.seed)
+    engine, opt, names = engine_and_opt(model, spec, R)
+    ((x, y),) = shard_batches(spec)[ctx.rank]
+    loss = LOSSES[spec.model]
+    xs = tuple(t.clone().requires_grad_() for t in x)
+    (gx,) = torch.autograd.grad(user_loss(loss(call_model(model, xs), y), spec.reduction), xs)
+    xs2 = tuple(t.clone().requires_grad_() for t in x)
+    user_loss(loss(call_model(model, xs2), y), spec.reduction).backward(inputs=list(xs2))
+    assert xs2[0].grad is not None and torch.allclose(xs2[0].grad, gx)  # the passes ran, into the input only
+    user_loss(loss(call_model(model, x), y), spec.reduction).backward()
+    opt.step()
+    return {"grads": released_grads(model, names), "params": params_of(model), "world_size": engine.world_size,
+            "rank": engine.rank, "steps": engine.steps}
+
+
 def run_noise(ctx: Any, spec: Spec, R: float, sigma: float, steps: int, lr: float,
               gen_seeds: tuple[int, ...] | None = None, secure_mode: bool = False,
               float32: bool = False) -> dict[str, Any]:

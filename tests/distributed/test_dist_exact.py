@@ -23,7 +23,7 @@ import random
 
 import pytest
 import torch
-from dist_cases import run_exact, run_subgroup, run_update_both, run_views
+from dist_cases import run_exact, run_input_grads, run_subgroup, run_update_both, run_views
 from dist_checks import check_exact
 from dist_specs import Spec, oracle_for
 from harness import Case, register, run_world, shared_world
@@ -134,6 +134,9 @@ register(2, "exact-update-both", _exact(UPDATE_BOTH, "exact-update-both", run_up
 #: two identical views of each sample in engine.same_samples(), after a clean pass optimizer.zero_grad() forgets
 VIEWS = Spec("mixed", ((3,), (2,)), seed=31, views=2)
 register(2, "exact-views-zero-grad", _exact(VIEWS, "exact-views-zero-grad", run_views))
+#: two input-gradient passes (adversarial training's), then the training pass, on float inputs
+INPUT_GRADS = Spec("vit", ((3,), (2,)), seed=33)
+register(2, "exact-input-grads", _exact(INPUT_GRADS, "exact-input-grads", run_input_grads))
 
 
 def _check(n: int, name: str) -> None:
@@ -207,3 +210,10 @@ def test_views_after_a_forgotten_pass_on_every_rank():
     ``engine.same_samples()`` and one backward pass: the union's oracle of the views' loss (each sample's gradient
     twice its own, clipped once), bit-identical across ranks."""
     _check(2, "exact-views-zero-grad")
+
+
+def test_input_gradient_passes_add_nothing_on_any_rank():
+    """Each rank: ``torch.autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])`` on its shard (adversarial
+    training's input gradients), then a training pass on the same shard: the union's plain oracle, bit-identical
+    across ranks (before the engine told the passes apart, each input-gradient pass was summed into the step)."""
+    _check(2, "exact-input-grads")
