@@ -25,7 +25,8 @@ A *method* is how one training step is taken:
   see the batch folded, OPT); ``non-private, bf16 autocast`` and ``fastdp BK-MixOpt, bf16 autocast`` (the forward
   pass and the loss under ``torch.autocast(dtype=torch.bfloat16)`` on the workload's device, ``AUTOCAST``; the
   parameters stay float32), and ``fastdp BK-MixOpt, bf16 autocast, bf16 products`` (the same with the clipping
-  stage's products of bf16 calls in bf16 with float32 accumulation: ``fastdp.layers._matmul.BF16_PRODUCTS``).
+  stage's products of bf16 calls in bf16 with float32 accumulation: ``fastdp.layers._matmul.BF16_PRODUCTS``), and
+  ``fastdp BK-MixOpt, noise buckets`` (one step's noise drawn in buckets of parameters: ``fastdp.noise.NOISE_BUCKETS``).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -82,6 +83,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, no fold guard": ({}, {}),
     f"{DEFAULT_METHOD}, bf16 autocast": ({}, {}),
     f"{DEFAULT_METHOD}, bf16 autocast, bf16 products": ({}, {}),
+    f"{DEFAULT_METHOD}, noise buckets": ({}, {}),
 }
 #: methods whose forward pass and loss run under ``torch.autocast`` in this dtype (mixed precision)
 AUTOCAST: dict[str, torch.dtype] = {
@@ -100,6 +102,8 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     # the clipping stage's products of bf16 calls in bf16 with float32 accumulation (off by default)
     f"{DEFAULT_METHOD}, bf16 autocast, bf16 products": [("fastdp.layers._matmul", "BF16_PRODUCTS",
                                                           frozenset({"cpu", "cuda"}))],
+    # one step's noise in buckets of parameters, one draw and one fused add each (off by default)
+    f"{DEFAULT_METHOD}, noise buckets": [("fastdp.noise", "NOISE_BUCKETS", frozenset({"cpu", "cuda"}))],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS, "non-private, bf16 autocast")

@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 
 from fastdp.layers.base import accumulation_dtype
+from fastdp.torch_api import foreach_add_
 
 
 def noise_dtype(param: torch.Tensor) -> torch.dtype:
@@ -56,18 +57,18 @@ NOISE_CHUNK = 1 << 20
 
 
 def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float, batch_size: int,
-               generator: torch.Generator | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, chunk: int = NOISE_CHUNK) -> torch.Tensor:
     """The released gradient ``(clipped_sum + std * xi) / batch_size``, cast to ``param``'s dtype.
 
     The noise is drawn already divided by ``batch_size`` and the clipped sum added in one fused pass.
     ``clipped_sum=None`` means an empty batch (noise only). A contiguous clipped sum that owns its storage, of more than
-    :data:`NOISE_CHUNK` numbers in the noise dtype and ``param``'s dtype and device is overwritten with the result
-    chunk by chunk (:func:`_noisy_mean_in_place`): the same numbers, one chunk of scratch.
+    ``chunk`` (:data:`NOISE_CHUNK`) numbers in the noise dtype and ``param``'s dtype and device is overwritten with
+    the result chunk by chunk (:func:`_noisy_mean_in_place`): the same numbers, one chunk of scratch.
     """
-    if (clipped_sum is not None and clipped_sum.numel() > NOISE_CHUNK and _owns_storage(clipped_sum)
+    if (clipped_sum is not None and clipped_sum.numel() > chunk and _owns_storage(clipped_sum)
             and clipped_sum.shape == param.shape and clipped_sum.device == param.device
             and clipped_sum.dtype == noise_dtype(param) == param.dtype and not clipped_sum.requires_grad):
-        return _noisy_mean_in_place(param, clipped_sum, std, batch_size, generator)
+        return _noisy_mean_in_place(param, clipped_sum, std, batch_size, generator, chunk)
     grad = gaussian_noise(param, std / batch_size, generator)
     if clipped_sum is not None:
         grad.add_(clipped_sum.to(grad.dtype), alpha=1.0 / batch_size)
@@ -81,14 +82,14 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 
 def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: float, batch_size: int,
-                         generator: torch.Generator | None) -> torch.Tensor:
-    """:func:`noisy_mean` written into ``clipped_sum`` (returned): per chunk of :data:`NOISE_CHUNK` numbers (the
+                         generator: torch.Generator | None, chunk: int = NOISE_CHUNK) -> torch.Tensor:
+    """:func:`noisy_mean` written into ``clipped_sum`` (returned): per chunk of ``chunk`` numbers (the
     last one merged into the one before when it would be shorter than 16), ``std * xi / batch_size`` drawn into a
     buffer, and the chunk of the sum added as :func:`noisy_mean` adds it (``noise + sum / batch_size``), written
     straight into the sum's chunk."""
     flat = clipped_sum.view(-1)
     n = flat.numel()
-    starts = list(range(0, n, NOISE_CHUNK))
+    starts = list(range(0, n, chunk))
     if len(starts) > 1 and n - starts[-1] < 16:
         starts.pop()
     ends = starts[1:] + [n]
@@ -98,6 +99,15 @@ def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: fl
         torch.add(noise, flat[s:e], alpha=1.0 / batch_size, out=flat[s:e])  # one pass: no copy back
     return clipped_sum
 
+
+#: device types on which one step's noise is drawn in buckets (:func:`_bucketed_noisy_means`): the parameters of up
+#: to :data:`BUCKET_NUMBERS` numbers each, several to a bucket, one ``normal_`` call and one fused add of their clipped
+#: sums per bucket; larger ones in place in chunks of that many. On a GPU each call is a kernel launch the host pays
+#: (an H200's GPT-2-small step spent 19 ms of GPU time in the release of 148 tensors, docs/results/cuda.md). Empty
+#: (off everywhere): not yet measured on a GPU. The released distribution is the same; a seed gives other numbers.
+NOISE_BUCKETS: frozenset[str] = frozenset()
+#: the most numbers a noise bucket (and an in-place chunk) holds where :data:`NOISE_BUCKETS` applies
+BUCKET_NUMBERS = 1 << 24
 
 #: CPU noise of one step is drawn on this many threads at once (torch's CPU ``normal_`` runs on one core); 1 draws
 #: everything on the calling thread from the noise generator itself
@@ -122,6 +132,9 @@ def noisy_means(params: Sequence[torch.Tensor], sums: dict[torch.Tensor, torch.T
     ``generator``.
     """
     params = list(params)
+    if std > 0 and params and all(p.device.type in NOISE_BUCKETS for p in params) and (
+            generator is None or generator.device.type == params[0].device.type):
+        return _bucketed_noisy_means(params, sums, std, batch_size, generator)
     total = sum(p.numel() for p in params)
     runs = _runs(params, NOISE_THREADS) if (
         NOISE_THREADS > 1 and total >= PARALLEL_NOISE_MIN and std > 0 and _cpu_state_layout_ok()
@@ -142,6 +155,45 @@ def noisy_means(params: Sequence[torch.Tensor], sums: dict[torch.Tensor, torch.T
     for f in futures:
         f.result()
     return out  # type: ignore[return-value]  # every slot is filled: the runs partition the indices
+
+
+def _bucketed_noisy_means(params: list[torch.Tensor], sums: dict[torch.Tensor, torch.Tensor], std: float,
+                          batch_size: int, generator: torch.Generator | None) -> list[torch.Tensor]:
+    """:func:`noisy_means` in buckets (:data:`NOISE_BUCKETS`): the parameters of at most :data:`BUCKET_NUMBERS`
+    numbers, grouped by device and dtype in their order, are cut into buckets of at most that many numbers; each
+    bucket's noise ``std * xi / batch_size`` is one ``normal_`` draw into a flat buffer, each parameter's gradient a
+    view of it, and the bucket's clipped sums are added by one fused call (:func:`fastdp.torch_api.foreach_add_`).
+    A larger parameter is released by :func:`noisy_mean` in chunks of :data:`BUCKET_NUMBERS`. The same
+    distribution, N(0, std^2 I) independent per entry; other numbers for a given seed than the per-parameter draws."""
+    out: list[torch.Tensor | None] = [None] * len(params)
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        if p.numel() > BUCKET_NUMBERS:
+            out[i] = noisy_mean(p, sums.pop(p, None), std, batch_size, generator, chunk=BUCKET_NUMBERS)
+        else:
+            groups.setdefault((p.device, noise_dtype(p), p.dtype), []).append(i)
+    for (device, dtype, param_dtype), members in groups.items():
+        bucket: list[int] = []
+        filled = 0
+        for i in [*members, None]:
+            n = 0 if i is None else params[i].numel()
+            if bucket and (i is None or filled + n > BUCKET_NUMBERS):
+                flat = _draw(torch.empty(filled, dtype=dtype, device=device), std / batch_size, generator)
+                views, offset = [], 0
+                for k in bucket:
+                    views.append(flat[offset:offset + params[k].numel()].view(params[k].shape))
+                    offset += params[k].numel()
+                pairs = [(v, sums.pop(params[k])) for k, v in zip(bucket, views, strict=True) if params[k] in sums]
+                if pairs:
+                    foreach_add_([v for v, _ in pairs], [s.to(device=device, dtype=dtype) for _, s in pairs],
+                                 1.0 / batch_size)
+                for k, v in zip(bucket, views, strict=True):
+                    out[k] = v if param_dtype == dtype else v.to(param_dtype)
+                bucket, filled = [], 0
+            if i is not None:
+                bucket.append(i)
+                filled += n
+    return out  # type: ignore[return-value]  # every index is released once
 
 
 def _runs(params: list[torch.Tensor], k: int) -> list[list[int]]:

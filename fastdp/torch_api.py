@@ -190,6 +190,12 @@ def bf16_matmul_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         matmul.allow_bf16_reduced_precision_reduction = saved
 
 
+def foreach_add_(tensors: list[torch.Tensor], others: list[torch.Tensor], alpha: float) -> None:
+    """``t += alpha * o`` for each pair, in place, by one fused call where torch has one (``torch._foreach_add_``,
+    outside the documented API: on CUDA a few kernels for the whole list instead of one per tensor)."""
+    torch._foreach_add_(tensors, others, alpha=alpha)
+
+
 def grad_scaler_scale(scaler: Any) -> torch.Tensor | float:
     """A ``torch.amp.GradScaler``'s current scale ``S`` without a host read where it can be had: its scale tensor
     (the private ``_scale``, a ``(1,)`` float32 tensor on the device once ``scale()`` has run) as a 0-dim float64
@@ -286,7 +292,7 @@ def group_norm_affine_grads(x: torch.Tensor, grad_out: torch.Tensor, groups: int
     return weight_grad, bias_grad
 
 
-__all__ = ["BatchNormBase", "TorchFunctionMode", "bf16_matmul_float32", "current_graph_task_id", "fsdp_params",
-           "fsdp_unsharded_param", "grad_accumulator", "grad_hooks", "group_norm_affine_grads", "ieee_float32",
-           "is_batchnorm", "pass_accumulates", "queue_engine_callback", "set_parameter_slot", "set_requires_grad",
-           "tree_flatten", "tree_map", "tree_unflatten", "view_base"]
+__all__ = ["BatchNormBase", "TorchFunctionMode", "bf16_matmul_float32", "current_graph_task_id", "foreach_add_",
+           "fsdp_params", "fsdp_unsharded_param", "grad_accumulator", "grad_hooks", "group_norm_affine_grads",
+           "ieee_float32", "is_batchnorm", "pass_accumulates", "queue_engine_callback", "set_parameter_slot",
+           "set_requires_grad", "tree_flatten", "tree_map", "tree_unflatten", "view_base"]

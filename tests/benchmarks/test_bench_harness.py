@@ -205,6 +205,18 @@ def test_variants_set_their_switches():
         matmul.bf16_matmul_float32 = real_mm
     assert products and set(products) == {torch.bfloat16} and matmul.BF16_PRODUCTS == frozenset()  # its steps only
 
+    import fastdp.noise as noise
+
+    bucketed = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, noise buckets", torch.device("cpu"))
+    draws = []
+    real_buckets = noise._bucketed_noisy_means
+    try:
+        noise._bucketed_noisy_means = lambda *a: draws.append(1) or real_buckets(*a)
+        bucketed(zoo.make_batch(w, torch.device("cpu")))
+    finally:
+        noise._bucketed_noisy_means = real_buckets
+    assert draws and noise.NOISE_BUCKETS == frozenset()  # its steps only
+
 
 def test_workload_refuses_a_width_set_without_the_model():
     with pytest.raises(ValueError, match="width set 'wide' has no 'vit'"):
