@@ -39,9 +39,10 @@ B=("non-private BiTFiT" DP-BiTFiT)
 # GPT-2 T512 also with INSTANTIATION_SLACK 1.25 (docs/results/cuda.md: 1.22x against 1.35x on an H200, RoBERTa and ViT
 # below decide whether it is adopted) and under bf16 autocast with the clipping stage in float32 (2.84x non-private
 # bf16 there) and with bf16 products (fastdp.layers._matmul.BF16_PRODUCTS, off by default until this shows them), and
-# with the noise drawn in buckets (fastdp.noise.NOISE_BUCKETS, off likewise: the release took 19 ms of GPU time there)
+# with the noise drawn per parameter (fastdp.noise.NOISE_BUCKETS: buckets, CUDA's default since 2026-11-27, 1.28x
+# against 1.33x on an H200)
 stage gpt2-T512 240 "${R[@]}" --models gpt2 --sizes 512 --batch 16 --methods "${D[@]}" "fastdp BK-MixOpt, slack 1.25" \
-  "fastdp BK-MixOpt, noise buckets" \
+  "fastdp BK-MixOpt, noise per parameter" \
   "${B[@]}" "non-private, bf16 autocast" "fastdp BK-MixOpt, bf16 autocast" "fastdp BK-MixOpt, bf16 autocast, bf16 products"
 stage roberta-T256 120 "${R[@]}" --update --models roberta --sizes 256 --batch 32 --methods "${D[@]}" "${B[@]}" \
   "fastdp BK-MixOpt, slack 1.25" "non-private, bf16 autocast" "fastdp BK-MixOpt, bf16 autocast, bf16 products"

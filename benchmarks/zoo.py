@@ -26,7 +26,8 @@ A *method* is how one training step is taken:
   pass and the loss under ``torch.autocast(dtype=torch.bfloat16)`` on the workload's device, ``AUTOCAST``; the
   parameters stay float32), and ``fastdp BK-MixOpt, bf16 autocast, bf16 products`` (the same with the clipping
   stage's products of bf16 calls in bf16 with float32 accumulation: ``fastdp.layers._matmul.BF16_PRODUCTS``), and
-  ``fastdp BK-MixOpt, noise buckets`` (one step's noise drawn in buckets of parameters: ``fastdp.noise.NOISE_BUCKETS``).
+  ``fastdp BK-MixOpt, noise buckets`` and ``fastdp BK-MixOpt, noise per parameter`` (one step's noise drawn in buckets
+  of parameters on the CPU too, or per parameter on CUDA too: ``fastdp.noise.NOISE_BUCKETS``, CUDA's default).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -84,6 +85,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, bf16 autocast": ({}, {}),
     f"{DEFAULT_METHOD}, bf16 autocast, bf16 products": ({}, {}),
     f"{DEFAULT_METHOD}, noise buckets": ({}, {}),
+    f"{DEFAULT_METHOD}, noise per parameter": ({}, {}),
 }
 #: methods whose forward pass and loss run under ``torch.autocast`` in this dtype (mixed precision)
 AUTOCAST: dict[str, torch.dtype] = {
@@ -104,6 +106,7 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
                                                           frozenset({"cpu", "cuda"}))],
     # one step's noise in buckets of parameters, one draw and one fused add each (off by default)
     f"{DEFAULT_METHOD}, noise buckets": [("fastdp.noise", "NOISE_BUCKETS", frozenset({"cpu", "cuda"}))],
+    f"{DEFAULT_METHOD}, noise per parameter": [("fastdp.noise", "NOISE_BUCKETS", frozenset())],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS, "non-private, bf16 autocast")

@@ -65,8 +65,9 @@ def instantiation_fits(A: torch.Tensor, G: torch.Tensor, readers: int = 1) -> bo
 #: own product took it (:func:`narrow_dtype`), so both operands hold bfloat16 values and every product of two is exact
 #: in float32; the scaled operand ``coef_i G_i`` of the clipped sum, a float32 tensor, is split exactly into three
 #: bfloat16 tensors (:func:`split_bf16`), one product each. Norms, clipped sums and GhostClip's replay all read the
-#: same rounded input, so ``||coef_i g_i|| <= R`` holds to float32 rounding. Empty (off everywhere): not yet measured
-#: on a GPU, where the float32 path made a bf16-autocast step 2.84x non-private training's (docs/results/cuda.md).
+#: same rounded input, so ``||coef_i g_i|| <= R`` holds to float32 rounding. Empty (off everywhere): on an H200 it took
+#: a GPT-2-small T 512 bf16-autocast step from 2.65x to 2.26x non-private bf16 training's, but RoBERTa-base held 8051
+#: against 3193 MB (each call keeps a rounded float32 copy of its input; docs/results/cuda.md, 2026-11-28).
 BF16_PRODUCTS: frozenset[str] = frozenset()
 
 
