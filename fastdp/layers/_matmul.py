@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -81,9 +82,10 @@ def narrow_dtype(grad_output: torch.Tensor) -> torch.dtype | None:
 
 
 class Operands(tuple):
-    """The canonical ``(A, G)`` of a call (a pair: ``A, G = ctx`` unpacks it), in float32, with :attr:`narrow`:
-    ``torch.bfloat16`` when both hold bfloat16 values only and their products run in bfloat16 with float32
-    accumulation (:data:`BF16_PRODUCTS`), else ``None``."""
+    """The canonical ``(A, G)`` of a call (a pair: ``A, G = ctx`` unpacks it), with :attr:`narrow`: ``None`` (both in
+    float32 or wider), or ``torch.bfloat16`` when both are held in bfloat16 (the kept tensors themselves where they
+    are bfloat16 already: no copy) and their products run in bfloat16 with float32 accumulation
+    (:data:`BF16_PRODUCTS`); every sum and scaling of them is then taken in float32."""
 
     narrow: torch.dtype | None
 
@@ -104,7 +106,8 @@ def product(x: torch.Tensor, y: torch.Tensor, narrow: torch.dtype | None = None)
     if narrow is None:
         return torch.matmul(x, y)
     lead = x.shape[:-2]
-    out = bf16_matmul_float32(x.to(narrow).reshape(-1, *x.shape[-2:]), y.to(narrow).reshape(-1, *y.shape[-2:]))
+    n = math.prod(lead)  # explicit: a tensor of zero positions has zero elements
+    out = bf16_matmul_float32(x.to(narrow).reshape(n, *x.shape[-2:]), y.to(narrow).reshape(n, *y.shape[-2:]))
     return out.view(*lead, x.shape[-2], y.shape[-1])
 
 
@@ -155,6 +158,7 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True,
     :func:`shared_input_grams` (only for an ``A`` that stays alive for the whole pass: the cache is keyed by its
     storage). ``narrow``: the Gram products in bfloat16 with float32 accumulation (:func:`product`)."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
+        A, G = to_accumulation(A), to_accumulation(G)
         return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
     aat = input_grams(A, narrow) if share else gram_strips(A, narrow)
     return strips_inner(aat, gram_strips(G, narrow))
@@ -315,7 +319,7 @@ def clipped_sum(A: torch.Tensor, G: torch.Tensor, coef: torch.Tensor,
     scaled operand split exactly into three bfloat16 tensors, each multiplied in bfloat16 with float32 accumulation
     (:func:`split_bf16`); the other operand holds bfloat16 values already."""
     B, g, T, p = G.shape
-    c = coef.to(G.dtype).view(-1, 1, 1, 1)
+    c = coef.to(torch.promote_types(G.dtype, torch.float32)).view(-1, 1, 1, 1)  # (float32 for bfloat16 operands)
     scale_a = A.numel() < G.numel()  # scale whichever operand is smaller
     if scale_a:
         A = _scaled(A, c)
@@ -354,11 +358,11 @@ class OuterProductKind(LayerKind):
         output gradient ``(B, *, p)`` (``T`` positions), marked :attr:`Operands.narrow` where the products may run
         in bfloat16."""
         narrow = narrow_dtype(grad_output) if self.narrow_products else None
-        G = to_accumulation(grad_output).reshape(B, 1, T, grad_output.shape[-1])
+        cast = to_accumulation if narrow is None else (lambda t: t)  # bfloat16 operands are held as they are
+        G = cast(grad_output).reshape(B, 1, T, grad_output.shape[-1])
         A = None
         if activation is not None:
-            A = to_accumulation(self.operand_activation(activation, grad_output)).reshape(B, 1, T,
-                                                                                           activation.shape[-1])
+            A = cast(self.operand_activation(activation, grad_output)).reshape(B, 1, T, activation.shape[-1])
         return Operands(A, G, narrow)
 
     def position_dims(self, grad_output: torch.Tensor) -> tuple[int, ...]:
@@ -382,17 +386,19 @@ class OuterProductKind(LayerKind):
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         A, G = ctx
         if name == "bias":
-            return G.sum(dim=2).flatten(1)
+            return to_accumulation(G).sum(dim=2).flatten(1)
         return per_sample_grad(A, G, narrow_of(ctx)).reshape(G.shape[0], *module.weight.shape)
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         A, G = ctx
         if name == "bias":
+            G = to_accumulation(G)
             return torch.einsum("b,bp->p", coef.to(G.dtype), G.sum(dim=2).flatten(1))
         return clipped_sum(A, G, coef, narrow_of(ctx)).reshape(module.weight.shape)
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         A, G = ctx
+        G = to_accumulation(G)  # (bfloat16 operands: a shared weight's pairwise Grams are taken in float32)
         if name == "bias":  # (g p,) as g blocks of (p x 1): G against a column of ones
             return Factors(G, G.new_ones(*G.shape[:3], 1))
-        return Factors(G, A)
+        return Factors(G, None if A is None else to_accumulation(A))

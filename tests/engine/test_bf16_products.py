@@ -178,3 +178,30 @@ def test_each_clipped_gradient_stays_within_the_threshold_with_bf16_products(mod
                          data, mode, R, True, monkeypatch)
         worst = max(worst, float(torch.sqrt(sum(v.double().square().sum() for v in grads.values()))) / R)
     assert 0.99 < worst <= 1 + 1e-5, worst
+
+
+class WithExtraTokens(nn.Module):
+    """A Linear over a second input of zero positions ``(B, 0, d)`` (no extra tokens in this batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.extra, self.head = nn.Linear(5, 8), nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x, extra):
+        return self.head(torch.tanh(torch.cat([self.tok(x), self.extra(extra)], dim=1)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_linear_over_zero_positions_with_bf16_products(mode, monkeypatch):
+    """Zero positions (found by a red-team pass: the bfloat16 product's reshape was ambiguous on zero elements)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 6, 5, generator=g).bfloat16().float()
+    data = [((x, torch.randn(4, 0, 5, generator=g)), torch.randn(4, 6, 3, generator=g))]
+
+    def loss(out, y):
+        return 0.5 * (out.float() - y).pow(2).sum(dim=(1, 2))
+    model = WithExtraTokens()
+    base = _release(copy.deepcopy(model), loss, data, mode, 1e-3, False, monkeypatch)
+    got = _release(copy.deepcopy(model), loss, data, mode, 1e-3, True, monkeypatch)
+    assert rel_err(got, base) < 2e-6, rel_err(got, base)

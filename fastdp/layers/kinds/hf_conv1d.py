@@ -16,6 +16,7 @@ from torch import nn
 
 from fastdp.layers import _matmul
 from fastdp.layers._factored import Factors
+from fastdp.layers.base import to_accumulation
 from fastdp.layers.registry import register
 from fastdp.layers.spec import DocRow, OracleCase
 
@@ -55,7 +56,7 @@ class HFConv1DKind(_matmul.OuterProductKind):
         A, G = ctx
         if name == "bias":
             return super().factors(module, ctx, name)
-        return Factors(A, G)
+        return Factors(to_accumulation(A), to_accumulation(G))  # (float32 for bfloat16 operands)
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         if name == "bias":
