@@ -105,7 +105,7 @@ def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: fl
 #: sums per bucket; larger ones in place in chunks of that many. On a GPU each call is a kernel launch the host pays
 #: (an H200's GPT-2-small step spent 19 ms of GPU time in the release of 148 tensors): there, at GPT-2-small width,
 #: T 512, batch 16, the default mode's step took 207.8 ms with buckets against 217.0 ms without (1.28x against 1.33x
-#: non-private, the same allocator peak; one run, docs/results/cuda.md, 2026-11-27). On CUDA only; on the CPU the
+#: non-private, the same allocator peak; one run, docs/results/cuda.md, 2026-11-28). On CUDA only; on the CPU the
 #: draws themselves cost (one core's Mersenne Twister), and two threads draw them (:data:`NOISE_THREADS`). The
 #: released distribution is the same; a seed gives other numbers than per-parameter draws.
 NOISE_BUCKETS: frozenset[str] = frozenset({"cuda"})
