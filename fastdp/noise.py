@@ -57,7 +57,7 @@ NOISE_CHUNK = 1 << 20
 
 
 def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float, batch_size: int,
-               generator: torch.Generator | None = None, chunk: int = NOISE_CHUNK) -> torch.Tensor:
+               generator: torch.Generator | None = None, chunk: int | None = None) -> torch.Tensor:
     """The released gradient ``(clipped_sum + std * xi) / batch_size``, cast to ``param``'s dtype.
 
     The noise is drawn already divided by ``batch_size`` and the clipped sum added in one fused pass.
@@ -65,6 +65,7 @@ def noisy_mean(param: torch.Tensor, clipped_sum: torch.Tensor | None, std: float
     ``chunk`` (:data:`NOISE_CHUNK`) numbers in the noise dtype and ``param``'s dtype and device is overwritten with
     the result chunk by chunk (:func:`_noisy_mean_in_place`): the same numbers, one chunk of scratch.
     """
+    chunk = NOISE_CHUNK if chunk is None else chunk  # (read at the call: tests and benchmarks set it)
     if (clipped_sum is not None and clipped_sum.numel() > chunk and _owns_storage(clipped_sum)
             and clipped_sum.shape == param.shape and clipped_sum.device == param.device
             and clipped_sum.dtype == noise_dtype(param) == param.dtype and not clipped_sum.requires_grad):
@@ -82,7 +83,7 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 
 def _noisy_mean_in_place(param: torch.Tensor, clipped_sum: torch.Tensor, std: float, batch_size: int,
-                         generator: torch.Generator | None, chunk: int = NOISE_CHUNK) -> torch.Tensor:
+                         generator: torch.Generator | None, chunk: int) -> torch.Tensor:
     """:func:`noisy_mean` written into ``clipped_sum`` (returned): per chunk of ``chunk`` numbers (the
     last one merged into the one before when it would be shorter than 16), ``std * xi / batch_size`` drawn into a
     buffer, and the chunk of the sum added as :func:`noisy_mean` adds it (``noise + sum / batch_size``), written
