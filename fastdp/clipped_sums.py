@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from fastdp.clipping import ClipFn
 from fastdp.deferred import DeferredCheck, defers
-from fastdp.layers._matmul import reused_scratch, shared_input_grams
+from fastdp.layers._matmul import reused_scratch, shared_input_grams, shared_rounding
 from fastdp.layers.base import accumulation_dtype, to_accumulation
 from fastdp.modes import ClippingMode
 from fastdp.norms import batch_size_of, norm_sq, per_sample_grad, shared_norm_sq, use_ghost
@@ -251,11 +251,12 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
     mode = cfg.mode
 
     uses: dict[nn.Parameter, list[tuple[Record, str]]] = {}
-    for rec in records:
-        if rec.ctx is None and rec.psg is None:
-            rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
-        for name in sorted(rec.names):
-            uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
+    with shared_rounding():  # q, k, v of one block under bf16 products: one rounded input
+        for rec in records:
+            if rec.ctx is None and rec.psg is None:
+                rec.ctx = rec.kind.prepare(rec.module, rec.activation, rec.grad_output)
+            for name in sorted(rec.names):
+                uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
 
     with shared_input_grams():  # q, k, v of one block: one input Gram
         sq_of, kept, how = _norms(uses, mode)

@@ -280,6 +280,22 @@ def input_grams(A: torch.Tensor, narrow: torch.dtype | None = None) -> list[torc
     return strips
 
 
+#: the bfloat16 roundings of the kept inputs of one pass's calls (:meth:`OuterProductKind.operand_activation`)
+_rounded: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastdp_rounded", default=None)
+
+
+@contextlib.contextmanager
+def shared_rounding() -> Iterator[None]:
+    """Within this context, the calls that read the same kept input and take it rounded to bfloat16
+    (:data:`BF16_PRODUCTS`) get one rounded tensor instead of one copy each; the cache is freed when the context
+    ends (the records' contexts keep what they use)."""
+    token = _rounded.set({})
+    try:
+        yield
+    finally:
+        _rounded.reset(token)
+
+
 #: the scratch buffers of one clipping pass's clipped sums, keyed by dtype and device (None: no reuse)
 _scratch: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastdp_scratch", default=None)
 
@@ -349,9 +365,23 @@ class OuterProductKind(LayerKind):
 
     def operand_activation(self, activation: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         """The input as the weight's products read it: rounded to bfloat16 where :func:`narrow_dtype` says so (for
-        a kind with :attr:`narrow_products`), so that the norms, clipped sums and GhostClip's replay agree."""
+        a kind with :attr:`narrow_products`), so that the norms, clipped sums and GhostClip's replay agree. Inside
+        :func:`shared_rounding`, calls that read one kept input (``q``, ``k``, ``v``) get one rounded tensor, so
+        that they also share its input Gram (:func:`input_grams`)."""
         narrow = narrow_dtype(grad_output) if self.narrow_products else None
-        return activation if narrow is None else activation.to(narrow)
+        if narrow is None or activation.dtype == narrow:
+            return activation
+        cache = _rounded.get()
+        if cache is None:
+            return activation.to(narrow)
+        # the same data (calls of one input keep views of it, not one object), held by the entry so that its
+        # storage is not freed and reused while the entry lives
+        key = (activation.data_ptr(), activation.device, activation.dtype, tuple(activation.shape), activation.stride(),
+               activation._version, narrow)
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = (activation, activation.to(narrow))
+        return hit[1]
 
     def canonical(self, activation: torch.Tensor | None, grad_output: torch.Tensor, B: int, T: int) -> Operands:
         """``(A, G)`` ``(B, 1, T, d)``, ``(B, 1, T, p)`` in float32 from a Linear-like call's input ``(B, *, d)`` and

@@ -205,3 +205,36 @@ def test_a_linear_over_zero_positions_with_bf16_products(mode, monkeypatch):
     base = _release(copy.deepcopy(model), loss, data, mode, 1e-3, False, monkeypatch)
     got = _release(copy.deepcopy(model), loss, data, mode, 1e-3, True, monkeypatch)
     assert rel_err(got, base) < 2e-6, rel_err(got, base)
+
+
+class QKV(nn.Module):
+    """Three Linear layers reading one input (an attention block's ``q``, ``k``, ``v``), at T 20: ghost norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h) * torch.tanh(self.k(h)) + self.v(h)
+
+
+def test_q_k_v_share_one_rounded_input_and_its_gram(monkeypatch):
+    """With bf16 products the three calls that read one kept input get one rounded copy, so they share one input
+    Gram as on the float32 path (a red-team pass counted 8 Gram products a pass with the switch on against 6 off)."""
+    counts = []
+    real = _matmul.gram_strips
+    monkeypatch.setattr(_matmul, "gram_strips", lambda X, *a: counts.append(1) or real(X, *a))
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    data = [((torch.randn(3, 20, 64, generator=g),), torch.randn(3, 20, 64, generator=g))]
+
+    def loss(out, y):
+        return 0.5 * (out.float() - y).pow(2).sum(dim=(1, 2))
+    formed = []
+    for on in (False, True):
+        counts.clear()
+        _release(QKV(), loss, data, "BK-ghost", 1e-3, on, monkeypatch)
+        formed.append(len(counts))
+    assert formed[0] == formed[1] > 0, formed
