@@ -266,13 +266,20 @@ def shared_input_grams() -> Iterator[None]:
         _input_grams.reset(token)
 
 
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies the data a tensor shows, for the per-pass caches (:func:`input_grams`,
+    :meth:`OuterProductKind.operand_activation`): storage address, device, dtype, shape, strides and version counter
+    (views of one input kept by several calls are different objects with the same key)."""
+    return (t.data_ptr(), t.device, t.dtype, tuple(t.shape), t.stride(), t._version)
+
+
 def input_grams(A: torch.Tensor, narrow: torch.dtype | None = None) -> list[torch.Tensor]:
     """:func:`gram_strips` of ``A`` (``A_i A_i^T`` per sample and group), from the pass's cache when the same input
     (same storage, offset, shape, strides, dtype and version counter) was the latest one seen."""
     cache = _input_grams.get()
     if cache is None:
         return gram_strips(A, narrow)
-    key = (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version, narrow)
+    key = (*_view_key(A), narrow)
     strips = cache.get(key)
     if strips is None:
         cache.clear()  # free the previous input's Gram before forming this one
@@ -376,8 +383,7 @@ class OuterProductKind(LayerKind):
             return activation.to(narrow)
         # the same data (calls of one input keep views of it, not one object), held by the entry so that its
         # storage is not freed and reused while the entry lives
-        key = (activation.data_ptr(), activation.device, activation.dtype, tuple(activation.shape), activation.stride(),
-               activation._version, narrow)
+        key = (*_view_key(activation), narrow)
         hit = cache.get(key)
         if hit is None:
             hit = cache[key] = (activation, activation.to(narrow))
