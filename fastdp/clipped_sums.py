@@ -62,7 +62,8 @@ def nonfinite_step_error(step: int, where: list[str]) -> NonFiniteGradientError:
     samples and backward passes."""
     return NonFiniteGradientError(
         f"step {step}: the per-sample gradients of {'; '.join(where)} of this step (positions in each physical "
-        "batch) contain NaN or infinity. Nothing was released and this step's gradients were discarded: run the "
+        "batch) contain NaN or infinity (or a layer's input or output gradient of about 1e19 or more, where squared "
+        "norms overflow float32). Nothing was released and this step's gradients were discarded: run the "
         "step's backward passes again. Fix the model or data (e.g. a log of 0, an overflow in half precision), or "
         "build the engine with on_nonfinite='zero' to give such samples clipping factor 0 (still private). (On an "
         "accelerator this check runs when the step is released, so that the backward pass never waits for the "
@@ -238,6 +239,10 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
             sq_of[param] = norm_sq(psg)
             if mode.keeps_instantiated or not kind.replayable:
                 kept[param] = psg
+            else:  # the sum will contract the operands: a sample beyond their range is non-finite, as a ghost norm
+                beyond = kind.beyond_norm_range(module, rec.ctx, name)  # would find it (its Gram overflows)
+                if beyond is not None:
+                    sq_of[param] = sq_of[param].masked_fill(beyond, math.inf)
     return sq_of, kept, how
 
 
@@ -286,8 +291,9 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
             if cfg.on_nonfinite not in ("zero", "scaler"):
                 raise NonFiniteGradientError(
                     f"the per-sample gradients of samples {idx[:10]}{'...' if len(idx) > 10 else ''} of this batch "
-                    "(positions in the physical batch) contain NaN or infinity. Nothing was released. Fix the "
-                    "model or data (e.g. a log of 0, an overflow in half precision), or build the engine with "
+                    "(positions in the physical batch) contain NaN or infinity (or a layer's input or output "
+                    "gradient of about 1e19 or more, where squared norms overflow float32). Nothing was released. "
+                    "Fix the model or data (e.g. a log of 0, an overflow in half precision), or build the engine with "
                     "on_nonfinite='zero' to give such samples clipping factor 0 (still private).")
             for rec in records:
                 _sanitize(rec, bad)

@@ -189,6 +189,32 @@ GRAM_STRIP = {"cpu": (64, 4), "default": (1, 1)}
 GRAM_ALIGN: dict[str, int] = {}
 
 
+#: an operand entry at or above ``NORM_RANGE / sqrt(width)`` (``width``: the entries of one position) puts its sample
+#: outside what the clipping stage can bound: the squared norm of that position may overflow float32 (the ghost
+#: norm's Gram diagonal ``||a_t||^2`` is then infinite, and the sample non-finite), and a contraction of the other
+#: operand scaled by ``coef_i`` may fall below float32's normal range and round off by more than its rounding. See
+#: :func:`beyond_norm_range`.
+NORM_RANGE = 2.0 ** 64
+
+
+def beyond_norm_range(X: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B,)`` bool: the samples of ``X`` ``(B, ...)`` with an entry of magnitude ``>= NORM_RANGE / sqrt(width)``.
+
+    A sample not flagged has every position's norm (``width`` entries) below ``2^64``, so its ``T``-position operand's
+    Frobenius norm is below ``2^64 sqrt(T)``, as the ghost norm's finite Gram diagonal guarantees. The clipped sum
+    ``sum_i (coef_i X_i)^T Y_i`` then loses at most ``2^-150`` per subnormal entry of ``coef_i X_i`` (``2^-134`` for
+    the last part of :func:`split_bf16`), so its error beyond float32 rounding is at most
+    ``2^-150 sqrt(n_X) 2^64 sqrt(T)`` in absolute terms (``2^-134`` instead of ``2^-150`` with bfloat16 products):
+    below ``1e-16`` (``1e-12``) for up to ``2^30`` numbers and positions per sample. Reads ``X`` twice (``amax``,
+    ``amin``), no temporary of its size; a NaN entry is not flagged (the sample's norm is NaN anyway)."""
+    B = X.shape[0]
+    flat = X.reshape(B, math.prod(X.shape[1:]))
+    if flat.shape[1] == 0:
+        return torch.zeros(B, dtype=torch.bool, device=X.device)
+    bound = NORM_RANGE / math.sqrt(max(width, 1))
+    return torch.maximum(flat.amax(1), flat.amin(1).neg()).float() >= bound
+
+
 def strip_count(X: torch.Tensor) -> int:
     """``K = min(K_max, T // h)`` (at least 1) strips for ``X`` ``(B, g, T, m)`` on its device (:data:`GRAM_STRIP`),
     not counting the strip of :func:`leading_rows`; ``T`` is then the positions after it."""
@@ -418,6 +444,12 @@ class OuterProductKind(LayerKind):
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         A, G = ctx
         return ghost_norm_sq(A, G, narrow=narrow_of(ctx))
+
+    def beyond_norm_range(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor | None:
+        A, G = ctx
+        if name == "bias" or A is None:
+            return None
+        return beyond_norm_range(A, A.shape[-1]) | beyond_norm_range(G, G.shape[-1])
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         A, G = ctx

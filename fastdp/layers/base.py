@@ -176,6 +176,14 @@ class LayerKind:
         """
         return None
 
+    def beyond_norm_range(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor | None:
+        """``(B,)`` bool, the samples whose operands for ``name`` are too large for the clipping stage's bound
+        (:func:`fastdp.layers._matmul.beyond_norm_range`), or ``None`` where the kind's clipped sum scales only a
+        per-sample gradient (this default: ``sum_i coef_i g_i`` from :meth:`per_sample_grad`, exact to rounding at
+        any magnitude). Asked where a norm was instantiated but the sum is a contraction of the operands (no ghost
+        norm whose overflow would have flagged such a sample): those samples are then non-finite."""
+        return None
+
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """Per-sample gradients ``g_i`` of parameter ``name``, shape ``(B, *param.shape)``."""
         raise NotImplementedError

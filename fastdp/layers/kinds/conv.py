@@ -134,6 +134,12 @@ class ConvKind(_matmul.OuterProductKind):
             return call.grouped_weight_grads()
         return call.per_sample_grads_by_patches()
 
+    def beyond_norm_range(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor | None:
+        if name == "bias":
+            return None
+        call: ConvCall = ctx  # a patch holds entries of x (or padding zeros): a position of d of them
+        return _matmul.beyond_norm_range(call.x, call.d) | _matmul.beyond_norm_range(call.grad_output, call.p)
+
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         if name == "bias":
             return super().clipped_sum(module, _bias_ctx(ctx), name, coef)
