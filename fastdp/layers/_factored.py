@@ -94,6 +94,69 @@ def inner(u: Factors, v: Factors, dtype: torch.dtype) -> torch.Tensor:
     return gram_inner(gl, gr)
 
 
+def inner_parts(u: Factors, v: Factors, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`inner` and the ``sum |K_ts L_ts|`` of its Gram inner product (for :func:`guarded_sq`)."""
+    if u.layout != v.layout:
+        raise ValueError(f"factored gradients of layouts {u.layout} and {v.layout} cannot be paired")
+    return gram_inner_parts(gram(u.left, v.left, dtype), gram(u.right, v.right, dtype))
+
+
+def position_norms(s: Side, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, g, T)``: the norms of a factor's rows (1 for a one-hot factor)."""
+    if isinstance(s, OneHot):
+        return torch.ones(s.ids.shape, dtype=dtype, device=s.ids.device)
+    return torch.linalg.vector_norm(s.to(dtype), dim=-1)
+
+
+def norm_bound(f: Factors, dtype: torch.dtype) -> torch.Tensor:
+    """``(B,)``: an upper bound of ``||g_i||`` whatever cancels (:func:`triangle_bound_sq`'s root)."""
+    return triangle_bound_sq(position_norms(f.left, dtype), position_norms(f.right, dtype)).sqrt()
+
+
+#: a ghost norm ``sq_i = sum_{t,s} K_i[t,s] L_i[t,s]`` (two Gram matrices) below ``CANCELLATION_GUARD * u *
+#: sum_{t,s} |K_i[t,s] L_i[t,s]|`` (``u``: the unit roundoff of its dtype, 2^-24 in float32) is flagged as ruled by
+#: rounding (:func:`guarded_sq`). The per-sample gradient ``sum_t l_t r_t^T`` then cancels across positions (or uses)
+#: to far below its terms, so the Grams' rounding, ``~u`` times those terms, can make the computed ``sq`` anything
+#: from 0 to several times the true one, while the book-keeping contraction releases the true gradient plus its own
+#: rounding: a red-team construction (two positions with one input and output gradients ``g``, ``-(1 + 2^-12) g``)
+#: had ``sq`` clamped to 0, clipping factor 1, and released 170 R. A flagged sample's norm is taken as the triangle
+#: bound ``sum_t ||l_t|| ||r_t||`` instead (never below the true norm nor the contraction's): clipped harder than
+#: exact arithmetic would, never above R. Not flagged, ``sq``'s rounding is at most ``~k / CANCELLATION_GUARD`` of it
+#: (``k`` the rounding's growth, a few units to the square root of the products' length), so ``||C_i g_i|| <= R``
+#: holds to that (0.1 % at ``k = 8``). A legitimate sample is flagged only if ``sum |K L|`` exceeds ``sq`` by
+#: ``2^12`` (float32; ``2^41`` in float64): random positions give a ratio near ``1 + T / sqrt(m n)``.
+CANCELLATION_GUARD = 2.0 ** 12
+
+
+def guarded_sq(sq: torch.Tensor, absum: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
+    """``sq`` ``(B,)`` where it is not ruled by rounding, else ``bound_sq`` (the triangle bound's square, times
+    ``1 + 2^-10`` for its own rounding and the contraction's): see :data:`CANCELLATION_GUARD`. ``absum`` ``(B,)``:
+    ``sum |K_ts L_ts|`` of the Gram inner product that gave ``sq``. No host synchronisation; a NaN ``sq`` stays NaN."""
+    u = torch.finfo(sq.dtype).eps / 2
+    flagged = sq < (CANCELLATION_GUARD * u) * absum
+    return torch.where(flagged, bound_sq * (1.0 + 2.0 ** -10), sq)
+
+
+def triangle_bound_sq(norms_left: torch.Tensor, norms_right: torch.Tensor | float) -> torch.Tensor:
+    """``sum_j (sum_t ||l_jt|| ||r_jt||)^2`` ``(B,)`` from position norms ``(B, g, T)``: the square of an upper bound
+    of ``||g_i||`` (``g_i[j] = sum_t l_jt r_jt^T``, the triangle inequality per group) that holds whatever cancels."""
+    return (norms_left * norms_right).sum(-1).square().sum(-1)
+
+
+def diagonal_norms(gram: torch.Tensor) -> torch.Tensor:
+    """``(B, g, T)``: ``sqrt`` of a Gram matrix's ``(B, g, T, T)`` diagonal, the positions' norms."""
+    return torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0).sqrt()
+
+
+def gram_inner_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gram_inner` and ``sum |a_i b_i|`` per sample (the scale of its rounding, for :func:`guarded_sq`), from
+    one product temporary (about :func:`gram_inner`'s time again on a 2-core CPU)."""
+    B = a.shape[0]
+    n = math.prod(a.shape[1:])
+    prod = a.reshape(B, n) * b.reshape(B, n)
+    return prod.sum(1), prod.abs_().sum(1)
+
+
 def gram_inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``<a_i, b_i>`` per sample of two ``(B, ...)`` tensors of one shape (Gram matrices), shape ``(B,)``.
 

@@ -154,14 +154,19 @@ def per_sample_grad(A: torch.Tensor, G: torch.Tensor, narrow: torch.dtype | None
 def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True,
                   narrow: torch.dtype | None = None) -> torch.Tensor:
     """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices in strips
-    (:func:`gram_strips`, :func:`strips_inner`). ``share``: the input Gram may come from (and go to) the cache of
-    :func:`shared_input_grams` (only for an ``A`` that stays alive for the whole pass: the cache is keyed by its
-    storage). ``narrow``: the Gram products in bfloat16 with float32 accumulation (:func:`product`)."""
+    (:func:`gram_strips`, :func:`strips_inner_parts`); a sample whose value is ruled by rounding (its gradient cancels
+    across positions) gets the triangle bound instead (:func:`fastdp.layers._factored.guarded_sq`). ``share``: the
+    input Gram may come from (and go to) the cache of :func:`shared_input_grams` (only for an ``A`` that stays alive
+    for the whole pass: the cache is keyed by its storage). ``narrow``: the Gram products in bfloat16 with float32
+    accumulation (:func:`product`)."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
         A, G = to_accumulation(A), to_accumulation(G)
         return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
     aat = input_grams(A, narrow) if share else gram_strips(A, narrow)
-    return strips_inner(aat, gram_strips(G, narrow))
+    ggt = gram_strips(G, narrow)
+    sq, absum = strips_inner_parts(aat, ggt)
+    bound = _factored.triangle_bound_sq(strips_diagonal_norms(aat), strips_diagonal_norms(ggt))
+    return _factored.guarded_sq(sq, absum, bound)  # a sample ruled by rounding: the triangle bound
 
 
 #: how :func:`gram_strips` cuts a ``T x T`` Gram matrix, by device type (others: ``"default"``): ``(h, K)``, strips of
@@ -271,6 +276,33 @@ def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
             term = term + 2.0 * torch.linalg.vecdot(p[..., n:], q[..., n:], dim=-1).sum(dim=(1, 2))
         total = term if total is None else total + term
     return total
+
+
+def strips_inner_parts(P: list[torch.Tensor], Q: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`strips_inner` and ``sum_{t,s} |P_ts Q_ts|`` per sample (both ``(B,)``, the mirrored blocks counted
+    twice), for :func:`fastdp.layers._factored.guarded_sq`."""
+    if len(P) != len(Q) or any(p.shape != q.shape for p, q in zip(P, Q, strict=False)):
+        raise ValueError(f"Gram strips of shapes {[tuple(p.shape) for p in P]} and {[tuple(q.shape) for q in Q]} "
+                         "are not cut the same way")
+    if len(P) == 1:
+        return _factored.gram_inner_parts(P[0], Q[0])
+    total = absum = None
+    for p, q in zip(P, Q, strict=True):
+        n = p.shape[2]
+        term, term_abs = _factored.gram_inner_parts(p[..., :n], q[..., :n])
+        if p.shape[3] > n:
+            off, off_abs = _factored.gram_inner_parts(p[..., n:], q[..., n:])
+            term, term_abs = term + 2.0 * off, term_abs + 2.0 * off_abs
+        total = term if total is None else total + term
+        absum = term_abs if absum is None else absum + term_abs
+    return total, absum
+
+
+def strips_diagonal_norms(P: list[torch.Tensor]) -> torch.Tensor:
+    """``(B, g, T)``: the positions' norms, from the diagonal of the Gram matrix that :func:`gram_strips` cut (each
+    strip's leading square block holds its part of it)."""
+    parts = [_factored.diagonal_norms(p[..., :p.shape[2]]) for p in P]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 #: the input Gram matrices of one clipping pass, keyed by the input's storage and view (None: no sharing)

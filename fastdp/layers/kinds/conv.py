@@ -118,7 +118,7 @@ class ConvKind(_matmul.OuterProductKind):
         call: ConvCall = ctx
         if PIXEL_GRAMS and call.pixel_gram_pays():
             G = call.G
-            parts = [_factored.gram_inner(call.input_gram(lo, hi), torch.matmul(G[lo:hi], G[lo:hi].transpose(-1, -2)))
+            parts = [_guarded_inner(call.input_gram(lo, hi), torch.matmul(G[lo:hi], G[lo:hi].transpose(-1, -2)))
                      for lo, hi in call.chunks(call.pixel_gram_bytes())]
         else:
             # fresh patches per chunk: not the shared input-Gram cache (it keys on storage, which a chunk reuses)
@@ -153,6 +153,14 @@ class ConvKind(_matmul.OuterProductKind):
             return super().factors(module, _bias_ctx(ctx), name)
         call: ConvCall = ctx
         return Factors(call.G, call.patches(0, call.batch))  # a shared weight's cross terms: the whole batch
+
+
+def _guarded_inner(aat: torch.Tensor, ggt: torch.Tensor) -> torch.Tensor:
+    """``<A A^T, G G^T>`` per sample, or its triangle bound where rounding rules it
+    (:func:`fastdp.layers._factored.guarded_sq`)."""
+    sq, absum = _factored.gram_inner_parts(aat, ggt)
+    bound = _factored.triangle_bound_sq(_factored.diagonal_norms(aat), _factored.diagonal_norms(ggt))
+    return _factored.guarded_sq(sq, absum, bound)
 
 
 def _bias_ctx(ctx: Any) -> tuple[None, torch.Tensor]:

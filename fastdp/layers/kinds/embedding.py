@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdp.layers import _factored
 from fastdp.layers._factored import Factors, OneHot
 from fastdp.layers.base import LayerKind, to_accumulation
 from fastdp.layers.registry import register
@@ -86,7 +87,10 @@ class EmbeddingKind(LayerKind):
         ids, G = ctx
         same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (B, T, T), exact integer comparison
         ggt = torch.matmul(G, G.transpose(1, 2))
-        return (ggt * same.to(ggt.dtype)).sum(dim=(1, 2))
+        sq, absum = _factored.gram_inner_parts(ggt, same.to(ggt.dtype))
+        # rows of one token whose gradients cancel: the triangle bound sum_t ||G_t|| (one-hot rows have norm 1)
+        bound = _factored.triangle_bound_sq(_factored.diagonal_norms(ggt.unsqueeze(1)), 1.0)
+        return _factored.guarded_sq(sq, absum, bound)
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         ids, G = ctx  # g_i = sum_t onehot(x_i[t]) (x) G_i[t]
