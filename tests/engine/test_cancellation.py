@@ -1,0 +1,166 @@
+"""Per-sample gradients that cancel across positions or uses: the ghost norm's rounding must not unclip them.
+
+A ghost norm is ``sum_{t,s} K_ts L_ts`` over two Gram matrices. When a sample's gradient ``sum_t l_t r_t^T`` cancels
+to far below its terms (two positions with one input and output gradients ``g``, ``-(1 + eps) g``), float32 rounding
+of the Grams (``~2^-24`` of the terms) rules the computed value: it came out as 0 or below, the clipping factor was 1,
+and the book-keeping contraction released the true gradient: 170 R. ``fastdp.layers._factored.guarded_sq`` flags
+such a sample (``sq < 2^12 u sum |K L|``) and takes the triangle bound ``sum_t ||l_t|| ||r_t||`` as its norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracle import make_engine
+from torch import nn
+
+from fastdp.layers import _factored, _matmul, registry
+
+MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
+EPS = [2.0**-6, 2.0**-12, 1.5 * 2.0**-17, 2.0**-21]
+
+
+def _release_norm(model: nn.Module, loss_fn, mode: str, R: float) -> float:
+    """``||released|| / R`` of one step over a batch of one (noise 0)."""
+    engine = make_engine(model, batch_size=1, R=R, mode=mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    loss_fn(model).backward()
+    opt.step()
+    total = sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None)
+    return math.sqrt(float(total)) / R
+
+
+def _pair(d: int, p: int, eps: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One input ``a`` at two positions and output gradients ``g``, ``-(1 + eps) g``: ``(1, 2, d)``, ``(1, 2, p)``."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, generator=gen) * 100
+    g = torch.randn(p, generator=gen) * 100
+    return torch.stack([a, a])[None], torch.stack([g, -(1 + eps) * g])[None]
+
+
+def _linear_case(seed: int, eps: float = 2.0**-12):
+    x, y = _pair(64, 64, eps, seed)
+    return nn.Linear(64, 64, bias=False), lambda m: (m(x) * y).sum()
+
+
+def _embedding_case(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(32, generator=gen) * 1e5
+    ids = torch.tensor([[5, 5, 7]])  # token 5 twice: its row's gradient is g - (1 + 2^-13) g
+    y = torch.stack([g, -(1 + 2.0**-13) * g, torch.zeros(32)])[None]
+    return nn.Embedding(50, 32), lambda m: (m(ids) * y).sum()
+
+
+class _TwoCalls(nn.Module):
+    """One Linear called on ``x`` and on ``-x``: output gradients ``g`` and ``(1 + eps) g`` cancel between the uses."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.lin(-x)
+
+
+def _shared_case(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 3, 16, generator=gen) * 100
+    g = torch.randn(1, 3, 16, generator=gen) * 100
+
+    def loss(m):
+        u, v = m(x)
+        return (u * g).sum() + (v * ((1 + 2.0**-13) * g)).sum()
+
+    return _TwoCalls(16), loss
+
+
+def _conv_case(seed: int):
+    # a 1x1 convolution over two pixels with one input: the Linear construction in NCHW
+    x, y = _pair(8, 8, 2.0**-12, seed)
+    x, y = x.transpose(1, 2).reshape(1, 8, 1, 2), y.transpose(1, 2).reshape(1, 8, 1, 2)
+    return nn.Conv2d(8, 8, kernel_size=1, bias=False), lambda m: (m(x) * y).sum()
+
+
+CASES = {"linear": _linear_case, "embedding": _embedding_case, "shared": _shared_case, "conv": _conv_case}
+
+
+def _worst(case, mode: str, seeds: int = 6) -> float:
+    worst = 0.0
+    for seed in range(seeds):
+        model, loss = case(seed)
+        worst = max(worst, _release_norm(model, loss, mode, 1.0))
+    return worst
+
+
+@pytest.mark.parametrize("eps", EPS)
+@pytest.mark.parametrize("mode", MODES)
+def test_linear_positions_that_cancel_are_released_within_R(mode, eps):
+    worst = _worst(lambda seed: _linear_case(seed, eps), mode, seeds=4)
+    assert worst <= 1 + 1e-6, (mode, eps, worst)
+
+
+@pytest.mark.parametrize("case", ["embedding", "shared", "conv"])
+@pytest.mark.parametrize("mode", MODES)
+def test_other_gradients_that_cancel_are_released_within_R(mode, case):
+    worst = _worst(CASES[case], mode)
+    assert worst <= 1 + 1e-6, (mode, case, worst)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_constructions_unclip_without_the_guard(case, monkeypatch):
+    # the tests above can fail: with the guard off, the ghost norm's rounding releases several times R
+    monkeypatch.setattr(_factored, "guarded_sq", lambda sq, absum, bound: sq)
+    assert _worst(CASES[case], "BK-ghost") > 2
+
+
+@pytest.mark.parametrize("T,d", [(1024, 16), (512, 64), (64, 768)])
+def test_random_positions_are_far_from_the_flag(T, d):
+    # legitimate data: sq / sum|K L| is near 1 / (1 + T / sqrt(m n)), far above the float32 threshold 2^-12
+    gen = torch.Generator().manual_seed(T)
+    A, G = torch.randn(4, 1, T, d, generator=gen), torch.randn(4, 1, T, d, generator=gen)
+    sq, absum = _factored.gram_inner_parts(A @ A.transpose(-1, -2), G @ G.transpose(-1, -2))
+    threshold = _factored.CANCELLATION_GUARD * 2.0**-24
+    assert float((sq / absum).min()) > 16 * threshold
+    exact = torch.einsum("bgtp,bgtd->bgpd", G.double(), A.double()).square().sum(dim=(1, 2, 3))
+    torch.testing.assert_close(_matmul.ghost_norm_sq(A, G, share=False).double(), exact, rtol=1e-4, atol=0)
+
+
+def test_guarded_sq_keeps_what_rounding_does_not_rule():
+    sq = torch.tensor([4.0, 1e-9, -1e-9, 0.0, float("nan"), 1.0])
+    absum = torch.tensor([4.0, 1.0, 1.0, 0.0, 1.0, float("inf")])
+    bound = torch.tensor([9.0, 9.0, 9.0, 9.0, 9.0, 9.0])
+    out = _factored.guarded_sq(sq, absum, bound)
+    flagged = 9.0 * (1 + 2.0**-10)
+    assert out[0] == 4.0 and out[3] == 0.0  # no cancellation; no terms at all
+    assert out[1] == out[2] == flagged and out[5] == flagged  # ruled by rounding (inf terms: flagged, bound inf-safe)
+    assert torch.isnan(out[4])  # a NaN stays non-finite
+    sq64 = torch.tensor([1e-9], dtype=torch.float64)
+    assert _factored.guarded_sq(sq64, torch.tensor([1.0], dtype=torch.float64), bound[:1].double()) == 1e-9
+
+
+def test_strip_parts_equal_the_whole_matrices():
+    gen = torch.Generator().manual_seed(2)
+    A, G = torch.randn(3, 2, 130, 5, generator=gen).double(), torch.randn(3, 2, 130, 7, generator=gen).double()
+    K, L = A @ A.transpose(-1, -2), G @ G.transpose(-1, -2)
+    strips_k, strips_l = _matmul.gram_strips(A), _matmul.gram_strips(G)
+    assert len(strips_k) > 1  # the CPU's rule cuts T 130 into strips
+    sq, absum = _matmul.strips_inner_parts(strips_k, strips_l)
+    torch.testing.assert_close(sq, (K * L).sum(dim=(1, 2, 3)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(absum, (K * L).abs().sum(dim=(1, 2, 3)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(_matmul.strips_diagonal_norms(strips_k), A.norm(dim=-1), rtol=1e-12, atol=0)
+    bound = _factored.triangle_bound_sq(A.norm(dim=-1), G.norm(dim=-1))
+    exact = torch.einsum("bgtp,bgtd->bgpd", G, A).square().sum(dim=(1, 2, 3))
+    assert bool((bound >= exact).all())
+
+
+def test_empty_batch_and_no_positions():
+    for B, T in [(0, 4), (3, 0), (0, 0)]:
+        A, G = torch.zeros(B, 1, T, 3), torch.zeros(B, 1, T, 2)
+        assert _matmul.ghost_norm_sq(A, G, share=False).tolist() == [0.0] * B
+    model = nn.Embedding(5, 2)
+    kind = registry.kind_for(model)
+    ctx = (torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 3, 2))
+    assert kind.ghost_norm_sq(model, ctx, "weight").shape == (0,)
