@@ -239,10 +239,8 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
             sq_of[param] = norm_sq(psg)
             if mode.keeps_instantiated or not kind.replayable:
                 kept[param] = psg
-            else:  # the sum will contract the operands: a sample beyond their range is non-finite, as a ghost norm
-                beyond = kind.beyond_norm_range(module, rec.ctx, name)  # would find it (its Gram overflows)
-                if beyond is not None:
-                    sq_of[param] = sq_of[param].masked_fill(beyond, math.inf)
+            else:  # the sum will contract the operands: guarded as a ghost norm is (range, cancellation)
+                sq_of[param] = kind.guard_contracted(module, rec.ctx, name, sq_of[param])
     return sq_of, kept, how
 
 

@@ -137,6 +137,18 @@ def guarded_sq(sq: torch.Tensor, absum: torch.Tensor, bound_sq: torch.Tensor) ->
     return torch.where(flagged, bound_sq * (1.0 + 2.0 ** -10), sq)
 
 
+def guarded_instantiated_sq(sq: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
+    """For a norm taken from an instantiated per-sample gradient ``fl(sum_t l_t r_t^T)`` while the clipped sum is a
+    separate contraction (whose rounding, ``~u sum_t ||l_t|| ||r_t||``, is not the instantiation's): ``sq`` ``(B,)``,
+    or ``bound_sq`` (the triangle bound's square, times ``1 + 2^-10``) where ``||g_i|| < CANCELLATION_GUARD * u *
+    sum_t ||l_t|| ||r_t||`` -- a gradient cancelled so far that the two roundings may differ by more than
+    ``1 / CANCELLATION_GUARD`` of it. Legitimate data never comes near (random positions: ``||g_i||`` about
+    ``T^-1/2`` of the bound)."""
+    u = torch.finfo(sq.dtype).eps / 2
+    flagged = sq < (CANCELLATION_GUARD * u) ** 2 * bound_sq
+    return torch.where(flagged, bound_sq * (1.0 + 2.0 ** -10), sq)
+
+
 def triangle_bound_sq(norms_left: torch.Tensor, norms_right: torch.Tensor | float) -> torch.Tensor:
     """``sum_j (sum_t ||l_jt|| ||r_jt||)^2`` ``(B,)`` from position norms ``(B, g, T)``: the square of an upper bound
     of ``||g_i||`` (``g_i[j] = sum_t l_jt r_jt^T``, the triangle inequality per group) that holds whatever cancels."""

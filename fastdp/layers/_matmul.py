@@ -220,6 +220,16 @@ def beyond_norm_range(X: torch.Tensor, width: int) -> torch.Tensor:
     return torch.maximum(flat.amax(1), flat.amin(1).neg()).float() >= bound
 
 
+def guard_contracted(sq: torch.Tensor, A: torch.Tensor, width: int, a_norms: torch.Tensor,
+                     G: torch.Tensor) -> torch.Tensor:
+    """:meth:`LayerKind.guard_contracted` for operands ``A`` (``(B, g, T, d)``, or a convolution's input whose
+    patches of ``width`` entries are its positions) and ``G`` ``(B, g, T, p)``; ``a_norms`` ``(B, g, T)``: the norms
+    of ``A``'s positions."""
+    sq = sq.masked_fill(beyond_norm_range(A, width) | beyond_norm_range(G, G.shape[-1]), math.inf)
+    g_norms = torch.linalg.vector_norm(to_accumulation(G), dim=-1)
+    return _factored.guarded_instantiated_sq(sq, _factored.triangle_bound_sq(a_norms, g_norms))
+
+
 def strip_count(X: torch.Tensor) -> int:
     """``K = min(K_max, T // h)`` (at least 1) strips for ``X`` ``(B, g, T, m)`` on its device (:data:`GRAM_STRIP`),
     not counting the strip of :func:`leading_rows`; ``T`` is then the positions after it."""
@@ -477,11 +487,11 @@ class OuterProductKind(LayerKind):
         A, G = ctx
         return ghost_norm_sq(A, G, narrow=narrow_of(ctx))
 
-    def beyond_norm_range(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor | None:
+    def guard_contracted(self, module: nn.Module, ctx: Any, name: str, sq: torch.Tensor) -> torch.Tensor:
         A, G = ctx
-        if name == "bias" or A is None:
-            return None
-        return beyond_norm_range(A, A.shape[-1]) | beyond_norm_range(G, G.shape[-1])
+        if name == "bias" or A is None:  # the bias's sum reads G summed over positions, as its instantiation does
+            return sq
+        return guard_contracted(sq, A, A.shape[-1], torch.linalg.vector_norm(to_accumulation(A), dim=-1), G)
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         A, G = ctx

@@ -176,13 +176,15 @@ class LayerKind:
         """
         return None
 
-    def beyond_norm_range(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor | None:
-        """``(B,)`` bool, the samples whose operands for ``name`` are too large for the clipping stage's bound
-        (:func:`fastdp.layers._matmul.beyond_norm_range`), or ``None`` where the kind's clipped sum scales only a
-        per-sample gradient (this default: ``sum_i coef_i g_i`` from :meth:`per_sample_grad`, exact to rounding at
-        any magnitude). Asked where a norm was instantiated but the sum is a contraction of the operands (no ghost
-        norm whose overflow would have flagged such a sample): those samples are then non-finite."""
-        return None
+    def guard_contracted(self, module: nn.Module, ctx: Any, name: str, sq: torch.Tensor) -> torch.Tensor:
+        """``sq`` ``(B,)``, the squared norms of instantiated per-sample gradients of ``name``, made safe for a clipped
+        sum that contracts the operands instead of summing those gradients (``BK-MixGhostClip``'s instantiated
+        layers): infinite for a sample whose operands leave the range the clipping stage can bound
+        (:func:`fastdp.layers._matmul.beyond_norm_range`: a ghost norm's Gram would overflow there), and the triangle
+        bound where the gradient cancels so far that the contraction's rounding may exceed it
+        (:func:`fastdp.layers._factored.guarded_instantiated_sq`). This default: ``sq`` as it is (a kind whose
+        clipped sum is ``sum_i coef_i g_i`` of :meth:`per_sample_grad` itself, exact to rounding at any magnitude)."""
+        return sq
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """Per-sample gradients ``g_i`` of parameter ``name``, shape ``(B, *param.shape)``."""

@@ -164,3 +164,33 @@ def test_empty_batch_and_no_positions():
     kind = registry.kind_for(model)
     ctx = (torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 3, 2))
     assert kind.ghost_norm_sq(model, ctx, "weight").shape == (0,)
+
+
+def _small_layer_case(seed: int):
+    # BK-MixGhostClip instantiates this layer's norm (p d = 4 <= 2 T^2) but contracts its sum: the instantiation's
+    # rounding and the contraction's differ by ~2^-24 of the terms, which rules a gradient cancelled this far
+    gen = torch.Generator().manual_seed(seed)
+    a, g = torch.randn(2, generator=gen) * 1e3, torch.randn(2, generator=gen) * 1e3
+    eps = 2.0 ** -float(torch.randint(10, 22, (1,), generator=gen))
+    x, y = torch.zeros(1, 8, 2), torch.zeros(1, 8, 2)
+    x[0, 0] = x[0, 1] = a
+    y[0, 0], y[0, 1] = g, -(1 + eps) * g
+    return nn.Linear(2, 2, bias=False), lambda m: (m(x) * y).sum()
+
+
+def test_instantiated_norms_with_contracted_sums_are_guarded(monkeypatch):
+    assert _worst(_small_layer_case, "BK-MixGhostClip", seeds=30) <= 1 + 1e-4  # float32 rounding of R = 1
+    monkeypatch.setattr(_factored, "guarded_instantiated_sq", lambda sq, bound: sq)
+    assert _worst(_small_layer_case, "BK-MixGhostClip", seeds=30) > 1.01  # without the guard: 1.078 R
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_patch_norms_equal_the_unfolded_patches(groups, padding_mode):
+    conv = nn.Conv2d(4, 6, kernel_size=(3, 2), stride=(2, 1), dilation=(1, 2), padding=1, groups=groups,
+                     padding_mode=padding_mode).double()
+    x = torch.randn(3, 4, 7, 6, dtype=torch.float64)
+    out = conv(x)
+    call = registry.kind_for(conv).prepare(conv, x, torch.randn_like(out))
+    want = torch.linalg.vector_norm(call.patches(0, 3), dim=-1)
+    torch.testing.assert_close(call.patch_norms(), want, rtol=1e-12, atol=1e-12)

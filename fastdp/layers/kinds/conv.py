@@ -134,11 +134,11 @@ class ConvKind(_matmul.OuterProductKind):
             return call.grouped_weight_grads()
         return call.per_sample_grads_by_patches()
 
-    def beyond_norm_range(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor | None:
+    def guard_contracted(self, module: nn.Module, ctx: Any, name: str, sq: torch.Tensor) -> torch.Tensor:
         if name == "bias":
-            return None
-        call: ConvCall = ctx  # a patch holds entries of x (or padding zeros): a position of d of them
-        return _matmul.beyond_norm_range(call.x, call.d) | _matmul.beyond_norm_range(call.grad_output, call.p)
+            return sq
+        call: ConvCall = ctx  # a patch holds entries of x (or padding): a position of d of them
+        return _matmul.guard_contracted(sq, call.x, call.d, call.patch_norms(), call.G)
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         if name == "bias":
@@ -385,6 +385,16 @@ class ConvCall:
     def pixel_gram_bytes(self) -> int:
         """Bytes per sample that :meth:`input_gram` holds: the pixel Gram and the patch Gram, per group."""
         return self.module.groups * (self.pixels ** 2 + 2 * self.T ** 2) * self.x.element_size()
+
+    def patch_norms(self) -> torch.Tensor:
+        """``(B, g, T)``: the norms of the patches (the rows of :meth:`patches`), without unfolding them: the padded
+        input squared, summed over each group's channels and kernel window by a convolution with a kernel of ones."""
+        m = self.module
+        x = self.kind._padded(m, self.x)
+        ones = x.new_ones(m.groups, x.shape[1] // m.groups, *m.kernel_size)
+        conv = (F.conv1d, F.conv2d, F.conv3d)[len(m.kernel_size) - 1]
+        sq = conv(x.square(), ones, stride=m.stride, dilation=m.dilation, groups=m.groups)
+        return sq.reshape(self.batch, m.groups, self.T).clamp(min=0).sqrt()
 
     def input_gram(self, lo: int, hi: int) -> torch.Tensor:
         """``A_i A_i^T`` per sample and group, ``(hi - lo, g, T, T)``, for samples ``[lo, hi)``, without patches.
