@@ -102,6 +102,13 @@ class EmbeddingKind(LayerKind):
         out = G.new_zeros(B, module.num_embeddings, d)
         return out.scatter_add_(1, ids.unsqueeze(-1).expand(B, T, d), G)
 
+    def guard_contracted(self, module: nn.Module, ctx: Any, name: str, sq: torch.Tensor) -> torch.Tensor:
+        # rows of one token whose gradients cancel: the sum's rounding (index_add_ of coef_i G_t) is not the
+        # instantiation's (scatter_add_ of G_t); the triangle bound sum_t ||G_t|| where it could rule
+        ids, G = ctx
+        bound = _factored.triangle_bound_sq(torch.linalg.vector_norm(G, dim=-1).unsqueeze(1), 1.0)
+        return _factored.guarded_instantiated_sq(sq, bound)
+
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         ids, G = ctx
         d = G.shape[-1]
