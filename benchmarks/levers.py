@@ -58,9 +58,9 @@ Levers:
   (``fastdp.layers.kinds.conv.CLIPPED_SUM = "measure"``); before: always one contraction over patches unfolded a
   few samples at a time (``"patches"``).
 * ``conv-sum-measure``: the same against always the kernel (``"kernel"``).
-* ``cancellation-guard``: not a speed lever but the cost of a privacy fix. Each ghost norm also sums ``|K_ts L_ts|``
-  over its Gram inner product and flags samples whose value rounding rules (``fastdp.layers._factored.guarded_sq``);
-  before: the inner product alone (``vecdot``), nothing flagged.
+* ``cancellation-guard``: not a speed lever but the cost of a privacy fix. Each ghost norm also estimates its
+  rounding (``fastdp.layers._factored.gram_rounding``: ``|L| ||a_t|| ||a_s||`` summed, one matrix-vector product per
+  Gram) and raises samples that rounding rules (``guarded_sq``); before: the inner product alone, nothing flagged.
 * ``conv-per-sample-measure``: a convolution's per-sample gradients at ``T >= 256`` by the grouped kernel or from
   patches, whichever was faster when timed once per call shape (``fastdp.layers.kinds.conv.PER_SAMPLE_GRADS =
   "measure"``); before: always the grouped kernel.
@@ -247,15 +247,12 @@ def _conv_kept_rule_before() -> contextlib.AbstractContextManager:
     return _patched([(ConvKind, "instantiation_fits", _conv_fits_before)])
 
 
-def _gram_inner_parts_before(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    inner = fastdp.layers._factored.gram_inner(a, b)
-    return inner, torch.zeros_like(inner)
-
-
 def _cancellation_guard_before() -> contextlib.AbstractContextManager:
-    # the Gram inner product alone (vecdot, no sum of |K L|) and no flag; the position norms are still formed
-    return _patched([(fastdp.layers._factored, "gram_inner_parts", _gram_inner_parts_before),
-                     (fastdp.layers._factored, "guarded_sq", lambda sq, absum, bound: sq)])
+    # the Gram inner product alone: no rounding estimate, nothing flagged (the position norms are still formed)
+    zero = lambda other, norms_t, norms_s, width: torch.zeros(other.shape[0], dtype=other.dtype,  # noqa: E731
+                                                                device=other.device)
+    return _patched([(fastdp.layers._factored, "gram_rounding", zero),
+                     (fastdp.layers._factored, "guarded_sq", lambda sq, err, bound: sq)])
 
 
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {

@@ -148,19 +148,19 @@ def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode) -> torch
     if mode.norms in ("cost", "cost-fits") and not 2 * positions * positions < g * m * n:
         return None
     dtype = next(t.dtype for f in facs for t in (f.left, f.right) if isinstance(t, torch.Tensor))
-    total = absum = bound = None
+    total = err = bound = None
     for u, (fu, (rec, name)) in enumerate(zip(facs, plist, strict=True)):
         if name in rec.kind.ghost_names(rec.module):
-            term = rec.kind.ghost_norm_sq(rec.module, rec.ctx, name)  # (guarded against cancellation in the use)
-            term_abs = term.abs()
+            term, term_err, _ = rec.kind.ghost_norm_parts(rec.module, rec.ctx, name)  # unguarded: the total is
         else:
-            term, term_abs = _factored.inner_parts(fu, fu, dtype)
+            term, term_err = _factored.inner_parts(fu, fu, dtype)
         for fv in facs[u + 1:]:
-            cross, cross_abs = _factored.inner_parts(fu, fv, dtype)
-            term, term_abs = term + 2.0 * cross, term_abs + 2.0 * cross_abs
+            cross, cross_err = _factored.inner_parts(fu, fv, dtype)
+            term, term_err = term + 2.0 * cross, term_err + 2.0 * cross_err
         total = term if total is None else total + term
-        absum = term_abs if absum is None else absum + term_abs
+        err = term_err if err is None else err + term_err
         b = _factored.norm_bound(fu, dtype)
         bound = b if bound is None else bound + b
-    # uses whose gradients cancel (a tied weight's): the triangle bound sum_u ||g_i^u||, as for one use's positions
-    return _factored.guarded_sq(total, absum, bound.square())
+    # uses whose gradients cancel (a tied weight's) or positions within one: the guard on the total, whose rounding
+    # is that of every Gram of every pair; the triangle bound sum_u ||g_i^u|| caps what a flagged sample gets
+    return _factored.guarded_sq(total, err, bound.square())

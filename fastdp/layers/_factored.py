@@ -95,10 +95,16 @@ def inner(u: Factors, v: Factors, dtype: torch.dtype) -> torch.Tensor:
 
 
 def inner_parts(u: Factors, v: Factors, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`inner` and the ``sum |K_ts L_ts|`` of its Gram inner product (for :func:`guarded_sq`)."""
+    """:func:`inner` and a bound of its rounding (:func:`gram_rounding`), both ``(B,)``. A Gram of a one-hot factor
+    (a token-equality mask or a gather) is exact; a dense one rounds like any product of its width."""
     if u.layout != v.layout:
         raise ValueError(f"factored gradients of layouts {u.layout} and {v.layout} cannot be paired")
-    return gram_inner_parts(gram(u.left, v.left, dtype), gram(u.right, v.right, dtype))
+    gl, gr = gram(u.left, v.left, dtype), gram(u.right, v.right, dtype)
+    err = torch.zeros(gl.shape[0], dtype=gl.dtype, device=gl.device)
+    for other, a, b in ((gr, u.left, v.left), (gl, u.right, v.right)):  # each Gram's rounding, against the other
+        if not (isinstance(a, OneHot) or isinstance(b, OneHot)):
+            err = err + gram_rounding(other, position_norms(a, dtype), position_norms(b, dtype), _width(a))
+    return gram_inner(gl, gr), err
 
 
 def position_norms(s: Side, dtype: torch.dtype) -> torch.Tensor:
@@ -113,40 +119,68 @@ def norm_bound(f: Factors, dtype: torch.dtype) -> torch.Tensor:
     return triangle_bound_sq(position_norms(f.left, dtype), position_norms(f.right, dtype)).sqrt()
 
 
-#: a ghost norm ``sq_i = sum_{t,s} K_i[t,s] L_i[t,s]`` (two Gram matrices) below ``CANCELLATION_GUARD * u *
-#: sum_{t,s} |K_i[t,s] L_i[t,s]|`` (``u``: the unit roundoff of its dtype, 2^-24 in float32) is flagged as ruled by
-#: rounding (:func:`guarded_sq`). The per-sample gradient ``sum_t l_t r_t^T`` then cancels across positions (or uses)
-#: to far below its terms, so the Grams' rounding, ``~u`` times those terms, can make the computed ``sq`` anything
-#: from 0 to several times the true one, while the book-keeping contraction releases the true gradient plus its own
-#: rounding: a red-team construction (two positions with one input and output gradients ``g``, ``-(1 + 2^-12) g``)
-#: had ``sq`` clamped to 0, clipping factor 1, and released 170 R. A flagged sample's norm is taken as the triangle
-#: bound ``sum_t ||l_t|| ||r_t||`` instead (never below the true norm nor the contraction's): clipped harder than
-#: exact arithmetic would, never above R. Not flagged, ``sq``'s rounding is at most ``~k / CANCELLATION_GUARD`` of it
-#: (``k`` the rounding's growth, a few units to the square root of the products' length), so ``||C_i g_i|| <= R``
-#: holds to that (0.1 % at ``k = 8``). A legitimate sample is flagged only if ``sum |K L|`` exceeds ``sq`` by
-#: ``2^12`` (float32; ``2^41`` in float64): random positions give a ratio near ``1 + T / sqrt(m n)``.
-CANCELLATION_GUARD = 2.0 ** 12
+#: A ghost norm ``sq_i = sum_{t,s} K_ts L_ts`` (two Gram matrices, ``K_ts = <l_t, l_s>``, ``L_ts = <r_t, r_s>``) is
+#: flagged as ruled by rounding when ``sq_i < CANCELLATION_GUARD * err_i``, ``err_i`` an estimate of its rounding
+#: (:func:`gram_rounding`). The per-sample gradient ``sum_t l_t r_t^T`` then cancels across positions (or uses) to
+#: far below its terms, and the computed ``sq_i`` can be anything from 0 to several times the true one, while the
+#: book-keeping contraction releases the true gradient (plus a far smaller rounding). A red-team construction (two
+#: positions with one input and output gradients ``g``, ``-(1 + 2^-12) g``) had ``sq`` clamped to 0, clipping factor 1,
+#: and released 170 R. A flagged sample's squared norm becomes ``max(sq_i, 0) + FLAGGED_INFLATION * err_i`` (at most
+#: the triangle bound ``(sum_t ||l_t|| ||r_t||)^2``, which no cancellation can exceed): a little above what exact
+#: arithmetic gives, never below it while the rounding stays within ``FLAGGED_INFLATION`` estimates. Not flagged, the
+#: rounding is below ``1 / CANCELLATION_GUARD`` of ``sq_i`` (times the estimate's shortfall: a few units where an
+#: adversary aligns the rounding of every product), so ``||C_i g_i|| <= R`` holds to about that.
+CANCELLATION_GUARD = 2.0 ** 8
+#: how many rounding estimates a flagged sample's squared norm is raised by (:data:`CANCELLATION_GUARD`)
+FLAGGED_INFLATION = 16.0
 
 
-def guarded_sq(sq: torch.Tensor, absum: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
-    """``sq`` ``(B,)`` where it is not ruled by rounding, else ``bound_sq`` (the triangle bound's square, times
-    ``1 + 2^-10`` for its own rounding and the contraction's): see :data:`CANCELLATION_GUARD`. ``absum`` ``(B,)``:
-    ``sum |K_ts L_ts|`` of the Gram inner product that gave ``sq``. No host synchronisation; a NaN ``sq`` stays NaN."""
-    u = torch.finfo(sq.dtype).eps / 2
-    flagged = sq < (CANCELLATION_GUARD * u) * absum
-    return torch.where(flagged, bound_sq * (1.0 + 2.0 ** -10), sq)
+def gram_rounding(other: torch.Tensor, norms_t: torch.Tensor, norms_s: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B,)``: ``u sqrt(width) sum_{t,s} ||x_t|| ||y_s|| |M_ts|``, an estimate of what the rounding of one Gram
+    ``X Y^T`` (entries of ``width`` products, each off by at most ``~u sqrt(width) ||x_t|| ||y_s||`` in practice: ``u``
+    the unit roundoff of its dtype, ``sqrt`` the growth of rounding that does not align) moves ``<X Y^T, M>``.
+    ``other`` ``(B, g, Tx, Ty)``: the Gram ``M`` it is paired with; ``norms_t``, ``norms_s``: ``(B, g, Tx)``,
+    ``(B, g, Ty)``, the rows' norms of ``X`` and ``Y``."""
+    u = torch.finfo(other.dtype).eps / 2
+    quad = (torch.matmul(other.abs(), norms_s.unsqueeze(-1)).squeeze(-1) * norms_t).sum(dim=(1, 2))
+    return quad * (u * math.sqrt(max(width, 1)))
+
+
+def guarded_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
+    """``sq`` ``(B,)`` where rounding does not rule it (:data:`CANCELLATION_GUARD`), else ``max(sq, 0) +
+    FLAGGED_INFLATION * err``, at most ``bound_sq`` (the triangle bound's square) times ``1 + 2^-10``. ``err``
+    ``(B,)``: the estimate of ``sq``'s rounding (:func:`gram_rounding`, summed over the Grams that gave it). No host
+    synchronisation; a NaN ``sq`` stays NaN."""
+    flagged = sq < CANCELLATION_GUARD * err
+    raised = torch.minimum(sq.clamp(min=0) + FLAGGED_INFLATION * err, bound_sq * (1.0 + 2.0 ** -10))
+    return torch.where(flagged, raised, sq)
+
+
+def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sq, err, bound_sq)`` ``(B,)`` each, for :func:`guarded_sq`, of the ghost norm ``<K_i, L_i>`` of two whole
+    symmetric Grams ``(B, g, T, T)`` whose entries are products of ``width_k`` and ``width_l`` numbers (``0``: an
+    exact Gram, e.g. a token-equality mask)."""
+    nk, nl = diagonal_norms(K), diagonal_norms(L)
+    err = torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
+    if width_k:
+        err = err + gram_rounding(L, nk, nk, width_k)
+    if width_l:
+        err = err + gram_rounding(K, nl, nl, width_l)
+    return gram_inner(K, L), err, triangle_bound_sq(nk, nl)
 
 
 def guarded_instantiated_sq(sq: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
     """For a norm taken from an instantiated per-sample gradient ``fl(sum_t l_t r_t^T)`` while the clipped sum is a
-    separate contraction (whose rounding, ``~u sum_t ||l_t|| ||r_t||``, is not the instantiation's): ``sq`` ``(B,)``,
-    or ``bound_sq`` (the triangle bound's square, times ``1 + 2^-10``) where ``||g_i|| < CANCELLATION_GUARD * u *
-    sum_t ||l_t|| ||r_t||`` -- a gradient cancelled so far that the two roundings may differ by more than
-    ``1 / CANCELLATION_GUARD`` of it. Legitimate data never comes near (random positions: ``||g_i||`` about
-    ``T^-1/2`` of the bound)."""
+    separate contraction: ``max(sq, (2^12 u)^2 bound_sq)`` ``(B,)``, ``bound_sq`` the triangle bound's square
+    ``(sum_t ||l_t|| ||r_t||)^2``. The two roundings of one sum differ by about ``k u sum_t ||l_t|| ||r_t||`` (``k``
+    the summation's growth, far below ``2^12``), which rules a gradient cancelled that far: a red-team tie (``(2^16
+    + 2^40) - 2^40``, 0 in the instantiation and ``2^17`` in the contraction, where another sample's term broke the
+    tie) released 131072 R. The floor covers that difference; a gradient that is exactly 0 by symmetry keeps a norm
+    of ``2^-41`` of its terms in float64 (``2^-12`` in float32), far below any threshold, so its clipping factor is
+    unchanged. Legitimate data never comes near (random positions: ``||g_i||`` about ``T^-1/2`` of the bound)."""
     u = torch.finfo(sq.dtype).eps / 2
-    flagged = sq < (CANCELLATION_GUARD * u) ** 2 * bound_sq
-    return torch.where(flagged, bound_sq * (1.0 + 2.0 ** -10), sq)
+    return torch.maximum(sq, (2.0 ** 12 * u) ** 2 * bound_sq)
 
 
 def triangle_bound_sq(norms_left: torch.Tensor, norms_right: torch.Tensor | float) -> torch.Tensor:
@@ -158,15 +192,6 @@ def triangle_bound_sq(norms_left: torch.Tensor, norms_right: torch.Tensor | floa
 def diagonal_norms(gram: torch.Tensor) -> torch.Tensor:
     """``(B, g, T)``: ``sqrt`` of a Gram matrix's ``(B, g, T, T)`` diagonal, the positions' norms."""
     return torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0).sqrt()
-
-
-def gram_inner_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gram_inner` and ``sum |a_i b_i|`` per sample (the scale of its rounding, for :func:`guarded_sq`), from
-    one product temporary (about :func:`gram_inner`'s time again on a 2-core CPU)."""
-    B = a.shape[0]
-    n = math.prod(a.shape[1:])
-    prod = a.reshape(B, n) * b.reshape(B, n)
-    return prod.sum(1), prod.abs_().sum(1)
 
 
 def gram_inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

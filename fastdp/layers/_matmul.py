@@ -154,19 +154,30 @@ def per_sample_grad(A: torch.Tensor, G: torch.Tensor, narrow: torch.dtype | None
 def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True,
                   narrow: torch.dtype | None = None) -> torch.Tensor:
     """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices in strips
-    (:func:`gram_strips`, :func:`strips_inner_parts`); a sample whose value is ruled by rounding (its gradient cancels
-    across positions) gets the triangle bound instead (:func:`fastdp.layers._factored.guarded_sq`). ``share``: the
-    input Gram may come from (and go to) the cache of :func:`shared_input_grams` (only for an ``A`` that stays alive
-    for the whole pass: the cache is keyed by its storage). ``narrow``: the Gram products in bfloat16 with float32
+    (:func:`gram_strips`, :func:`strips_inner`), guarded against rounding where the gradient cancels across positions
+    (:func:`fastdp.layers._factored.guarded_sq` of :func:`ghost_norm_parts`)."""
+    return _factored.guarded_sq(*ghost_norm_parts(A, G, share, narrow))
+
+
+def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narrow: torch.dtype | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sq, err, bound_sq)`` ``(B,)`` each: the unguarded ghost norm ``||G_i^T A_i||_F^2``, an estimate of its
+    rounding and the triangle bound's square (:func:`fastdp.layers._factored.guarded_sq`). ``share``: the input Gram
+    may come from (and go to) the cache of :func:`shared_input_grams` (only for an ``A`` that stays alive for the
+    whole pass: the cache is keyed by its storage). ``narrow``: the Gram products in bfloat16 with float32
     accumulation (:func:`product`)."""
-    if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2
+    if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2, a product of two sums of squares (nothing cancels)
         A, G = to_accumulation(A), to_accumulation(G)
-        return (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
+        sq = (A.square().sum(-1) * G.square().sum(-1)).sum(dim=(1, 2))
+        return sq, torch.zeros_like(sq), sq
     aat = input_grams(A, narrow) if share else gram_strips(A, narrow)
     ggt = gram_strips(G, narrow)
-    sq, absum = strips_inner_parts(aat, ggt)
-    bound = _factored.triangle_bound_sq(strips_diagonal_norms(aat), strips_diagonal_norms(ggt))
-    return _factored.guarded_sq(sq, absum, bound)  # a sample ruled by rounding: the triangle bound
+    d, p = A.shape[-1], G.shape[-1]
+    if len(aat) == 1:
+        return _factored.symmetric_parts(aat[0], ggt[0], d, p)
+    na, ng = strips_diagonal_norms(aat), strips_diagonal_norms(ggt)
+    err = strips_rounding(ggt, na, d) + strips_rounding(aat, ng, p)
+    return strips_inner(aat, ggt), err, _factored.triangle_bound_sq(na, ng)
 
 
 #: how :func:`gram_strips` cuts a ``T x T`` Gram matrix, by device type (others: ``"default"``): ``(h, K)``, strips of
@@ -288,24 +299,20 @@ def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def strips_inner_parts(P: list[torch.Tensor], Q: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`strips_inner` and ``sum_{t,s} |P_ts Q_ts|`` per sample (both ``(B,)``, the mirrored blocks counted
-    twice), for :func:`fastdp.layers._factored.guarded_sq`."""
-    if len(P) != len(Q) or any(p.shape != q.shape for p, q in zip(P, Q, strict=False)):
-        raise ValueError(f"Gram strips of shapes {[tuple(p.shape) for p in P]} and {[tuple(q.shape) for q in Q]} "
-                         "are not cut the same way")
-    if len(P) == 1:
-        return _factored.gram_inner_parts(P[0], Q[0])
-    total = absum = None
-    for p, q in zip(P, Q, strict=True):
-        n = p.shape[2]
-        term, term_abs = _factored.gram_inner_parts(p[..., :n], q[..., :n])
-        if p.shape[3] > n:
-            off, off_abs = _factored.gram_inner_parts(p[..., n:], q[..., n:])
-            term, term_abs = term + 2.0 * off, term_abs + 2.0 * off_abs
+def strips_rounding(other: list[torch.Tensor], norms: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`fastdp.layers._factored.gram_rounding` of a symmetric Gram (its positions' norms ``norms``
+    ``(B, g, T)``, entries of ``width`` products) against the Gram ``other`` given in :func:`gram_strips`' strips:
+    each strip's leading block once, the rest twice (for its mirror image)."""
+    T = norms.shape[-1]
+    total = None
+    for q in other:
+        n, lo = q.shape[2], T - q.shape[3]
+        rows = norms[..., lo:lo + n]
+        term = _factored.gram_rounding(q[..., :n], rows, rows, width)
+        if q.shape[3] > n:
+            term = term + 2.0 * _factored.gram_rounding(q[..., n:], rows, norms[..., lo + n:], width)
         total = term if total is None else total + term
-        absum = term_abs if absum is None else absum + term_abs
-    return total, absum
+    return total
 
 
 def strips_diagonal_norms(P: list[torch.Tensor]) -> torch.Tensor:
@@ -483,9 +490,10 @@ class OuterProductKind(LayerKind):
     def instantiation_fits(self, module: nn.Module, ctx: Any, name: str, readers: int = 1) -> bool:
         return name == "bias" or instantiation_fits(*ctx, readers)
 
-    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+    def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         A, G = ctx
-        return ghost_norm_sq(A, G, narrow=narrow_of(ctx))
+        return ghost_norm_parts(A, G, narrow=narrow_of(ctx))
 
     def guard_contracted(self, module: nn.Module, ctx: Any, name: str, sq: torch.Tensor) -> torch.Tensor:
         A, G = ctx

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fastdp.layers import _factored
 from fastdp.layers._factored import Factors
 from fastdp.layers.spec import DocRow, OracleCase, Refusal
 from fastdp.torch_api import ieee_float32
@@ -165,7 +166,15 @@ class LayerKind:
         return False
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
-        """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``."""
+        """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``: :meth:`ghost_norm_parts` guarded
+        where rounding rules it (:func:`fastdp.layers._factored.guarded_sq`)."""
+        return _factored.guarded_sq(*self.ghost_norm_parts(module, ctx, name))
+
+    def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sq, err, bound_sq)``, ``(B,)`` each: the ghost norm as its Gram matrices give it, an estimate of its
+        rounding (:func:`fastdp.layers._factored.gram_rounding`) and the square of the triangle bound ``sum_t ||l_t||
+        ||r_t||`` of ``||g_i||``. Kinds with :meth:`ghost_names` implement it."""
         raise NotImplementedError
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:

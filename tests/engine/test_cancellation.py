@@ -112,48 +112,47 @@ def test_other_gradients_that_cancel_are_released_within_R(mode, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_constructions_unclip_without_the_guard(case, monkeypatch):
     # the tests above can fail: with the guard off, the ghost norm's rounding releases several times R
-    monkeypatch.setattr(_factored, "guarded_sq", lambda sq, absum, bound: sq)
+    monkeypatch.setattr(_factored, "guarded_sq", lambda sq, err, bound: sq)
     assert _worst(CASES[case], "BK-ghost") > 2
 
 
-@pytest.mark.parametrize("T,d", [(1024, 16), (512, 64), (64, 768)])
-def test_random_positions_are_far_from_the_flag(T, d):
-    # legitimate data: sq / sum|K L| is near 1 / (1 + T / sqrt(m n)), far above the float32 threshold 2^-12
+@pytest.mark.parametrize("T,d", [(1024, 16), (512, 64), (2048, 768), (64, 768)])
+def test_random_positions_are_not_flagged(T, d):
+    # legitimate data: the rounding estimate is far below the flag, and the guarded norm is the exact one
     gen = torch.Generator().manual_seed(T)
-    A, G = torch.randn(4, 1, T, d, generator=gen), torch.randn(4, 1, T, d, generator=gen)
-    sq, absum = _factored.gram_inner_parts(A @ A.transpose(-1, -2), G @ G.transpose(-1, -2))
-    threshold = _factored.CANCELLATION_GUARD * 2.0**-24
-    assert float((sq / absum).min()) > 16 * threshold
+    A, G = torch.randn(2, 1, T, d, generator=gen), torch.randn(2, 1, T, d, generator=gen)
+    sq, err, bound = _matmul.ghost_norm_parts(A, G, share=False)
+    assert float((sq / (_factored.CANCELLATION_GUARD * err)).min()) > 2, (sq, err)
     exact = torch.einsum("bgtp,bgtd->bgpd", G.double(), A.double()).square().sum(dim=(1, 2, 3))
-    torch.testing.assert_close(_matmul.ghost_norm_sq(A, G, share=False).double(), exact, rtol=1e-4, atol=0)
+    torch.testing.assert_close(_matmul.ghost_norm_sq(A, G, share=False).double(), exact, rtol=1e-5, atol=0)
+    assert bool((bound.double() >= exact).all())
 
 
-def test_guarded_sq_keeps_what_rounding_does_not_rule():
-    sq = torch.tensor([4.0, 1e-9, -1e-9, 0.0, float("nan"), 1.0])
-    absum = torch.tensor([4.0, 1.0, 1.0, 0.0, 1.0, float("inf")])
-    bound = torch.tensor([9.0, 9.0, 9.0, 9.0, 9.0, 9.0])
-    out = _factored.guarded_sq(sq, absum, bound)
-    flagged = 9.0 * (1 + 2.0**-10)
-    assert out[0] == 4.0 and out[3] == 0.0  # no cancellation; no terms at all
-    assert out[1] == out[2] == flagged and out[5] == flagged  # ruled by rounding (inf terms: flagged, bound inf-safe)
+def test_guarded_sq_raises_only_what_rounding_rules():
+    sq = torch.tensor([4.0, 1e-9, -1e-9, 0.0, float("nan"), 1.0, 1e-9])
+    err = torch.tensor([1e-6, 1e-3, 1e-3, 0.0, 1e-3, float("inf"), 1.0])
+    bound = torch.full((7,), 9.0)
+    out = _factored.guarded_sq(sq, err, bound)
+    assert out[0] == 4.0 and out[3] == 0.0  # rounding far below it; no terms at all
+    raised = _factored.FLAGGED_INFLATION * 1e-3
+    assert out[1] == pytest.approx(1e-9 + raised) and out[2] == pytest.approx(raised)  # max(sq, 0) + 16 err
+    capped = 9.0 * (1 + 2.0**-10)
+    assert out[5] == capped and out[6] == capped  # never above the triangle bound
     assert torch.isnan(out[4])  # a NaN stays non-finite
-    sq64 = torch.tensor([1e-9], dtype=torch.float64)
-    assert _factored.guarded_sq(sq64, torch.tensor([1.0], dtype=torch.float64), bound[:1].double()) == 1e-9
 
 
-def test_strip_parts_equal_the_whole_matrices():
+def test_strips_give_the_whole_matrices_parts():
     gen = torch.Generator().manual_seed(2)
-    A, G = torch.randn(3, 2, 130, 5, generator=gen).double(), torch.randn(3, 2, 130, 7, generator=gen).double()
-    K, L = A @ A.transpose(-1, -2), G @ G.transpose(-1, -2)
-    strips_k, strips_l = _matmul.gram_strips(A), _matmul.gram_strips(G)
-    assert len(strips_k) > 1  # the CPU's rule cuts T 130 into strips
-    sq, absum = _matmul.strips_inner_parts(strips_k, strips_l)
-    torch.testing.assert_close(sq, (K * L).sum(dim=(1, 2, 3)), rtol=1e-12, atol=0)
-    torch.testing.assert_close(absum, (K * L).abs().sum(dim=(1, 2, 3)), rtol=1e-12, atol=0)
-    torch.testing.assert_close(_matmul.strips_diagonal_norms(strips_k), A.norm(dim=-1), rtol=1e-12, atol=0)
-    bound = _factored.triangle_bound_sq(A.norm(dim=-1), G.norm(dim=-1))
-    exact = torch.einsum("bgtp,bgtd->bgpd", G, A).square().sum(dim=(1, 2, 3))
-    assert bool((bound >= exact).all())
+    A, G = torch.randn(3, 2, 130, 5, generator=gen), torch.randn(3, 2, 130, 7, generator=gen)
+    strips = _matmul.ghost_norm_parts(A, G, share=False)
+    assert len(_matmul.gram_strips(A)) > 1  # the CPU's rule cuts T 130 into strips
+    whole = _factored.symmetric_parts(A @ A.transpose(-1, -2), G @ G.transpose(-1, -2), 5, 7)
+    for got, want in zip(strips, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(_matmul.strips_diagonal_norms(_matmul.gram_strips(A)), A.norm(dim=-1), rtol=1e-5,
+                               atol=0)
+    exact = torch.einsum("bgtp,bgtd->bgpd", G.double(), A.double()).square().sum(dim=(1, 2, 3))
+    assert bool((whole[2].double() >= exact).all())  # the triangle bound
 
 
 def test_empty_batch_and_no_positions():

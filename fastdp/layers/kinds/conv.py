@@ -114,17 +114,20 @@ class ConvKind(_matmul.OuterProductKind):
         kept = math.prod(call.x.shape[1:]) + math.prod(call.grad_output.shape[1:])
         return name == "bias" or call.module.weight.numel() <= kept
 
-    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+    def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         call: ConvCall = ctx
         if PIXEL_GRAMS and call.pixel_gram_pays():
             G = call.G
-            parts = [_guarded_inner(call.input_gram(lo, hi), torch.matmul(G[lo:hi], G[lo:hi].transpose(-1, -2)))
-                     for lo, hi in call.chunks(call.pixel_gram_bytes())]
+            parts = [_factored.symmetric_parts(call.input_gram(lo, hi), torch.matmul(G[lo:hi], G[lo:hi].transpose(
+                -1, -2)), call.d, call.p) for lo, hi in call.chunks(call.pixel_gram_bytes())]
         else:
             # fresh patches per chunk: not the shared input-Gram cache (it keys on storage, which a chunk reuses)
-            parts = [_matmul.ghost_norm_sq(call.patches(lo, hi), call.G[lo:hi], share=False)
+            parts = [_matmul.ghost_norm_parts(call.patches(lo, hi), call.G[lo:hi], share=False)
                      for lo, hi in call.chunks()]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         if name == "bias":
@@ -153,14 +156,6 @@ class ConvKind(_matmul.OuterProductKind):
             return super().factors(module, _bias_ctx(ctx), name)
         call: ConvCall = ctx
         return Factors(call.G, call.patches(0, call.batch))  # a shared weight's cross terms: the whole batch
-
-
-def _guarded_inner(aat: torch.Tensor, ggt: torch.Tensor) -> torch.Tensor:
-    """``<A A^T, G G^T>`` per sample, or its triangle bound where rounding rules it
-    (:func:`fastdp.layers._factored.guarded_sq`)."""
-    sq, absum = _factored.gram_inner_parts(aat, ggt)
-    bound = _factored.triangle_bound_sq(_factored.diagonal_norms(aat), _factored.diagonal_norms(ggt))
-    return _factored.guarded_sq(sq, absum, bound)
 
 
 def _bias_ctx(ctx: Any) -> tuple[None, torch.Tensor]:

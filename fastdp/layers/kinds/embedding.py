@@ -83,14 +83,13 @@ class EmbeddingKind(LayerKind):
         T = ids.shape[1]
         return 2 * T * T < module.num_embeddings * module.embedding_dim
 
-    def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
+    def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, G = ctx
-        same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (B, T, T), exact integer comparison
-        ggt = torch.matmul(G, G.transpose(1, 2))
-        sq, absum = _factored.gram_inner_parts(ggt, same.to(ggt.dtype))
-        # rows of one token whose gradients cancel: the triangle bound sum_t ||G_t|| (one-hot rows have norm 1)
-        bound = _factored.triangle_bound_sq(_factored.diagonal_norms(ggt.unsqueeze(1)), 1.0)
-        return _factored.guarded_sq(sq, absum, bound)
+        same = (ids.unsqueeze(2) == ids.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, T), exact integer comparison
+        ggt = torch.matmul(G, G.transpose(1, 2)).unsqueeze(1)
+        # rows of one token whose gradients cancel: only the output gradients' Gram rounds (the mask is exact)
+        return _factored.symmetric_parts(same.to(ggt.dtype), ggt, 0, G.shape[-1])
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         ids, G = ctx  # g_i = sum_t onehot(x_i[t]) (x) G_i[t]
