@@ -120,36 +120,38 @@ def norm_bound(f: Factors, dtype: torch.dtype) -> torch.Tensor:
 
 
 #: A ghost norm ``sq_i = sum_{t,s} K_ts L_ts`` (two Gram matrices, ``K_ts = <l_t, l_s>``, ``L_ts = <r_t, r_s>``) is
-#: flagged as ruled by rounding when ``sq_i < CANCELLATION_GUARD * err_i``, ``err_i`` an estimate of its rounding
-#: (:func:`gram_rounding`). The per-sample gradient ``sum_t l_t r_t^T`` then cancels across positions (or uses) to
-#: far below its terms, and the computed ``sq_i`` can be anything from 0 to several times the true one, while the
-#: book-keeping contraction releases the true gradient (plus a far smaller rounding). A red-team construction (two
-#: positions with one input and output gradients ``g``, ``-(1 + 2^-12) g``) had ``sq`` clamped to 0, clipping factor 1,
-#: and released 170 R. A flagged sample's squared norm becomes ``max(sq_i, 0) + FLAGGED_INFLATION * err_i`` (at most
-#: the triangle bound ``(sum_t ||l_t|| ||r_t||)^2``, which no cancellation can exceed): a little above what exact
-#: arithmetic gives, never below it while the rounding stays within ``FLAGGED_INFLATION`` estimates. Not flagged, the
-#: rounding is below ``1 / CANCELLATION_GUARD`` of ``sq_i`` (times the estimate's shortfall: a few units where an
-#: adversary aligns the rounding of every product), so ``||C_i g_i|| <= R`` holds to about that.
-CANCELLATION_GUARD = 2.0 ** 8
-#: how many rounding estimates a flagged sample's squared norm is raised by (:data:`CANCELLATION_GUARD`)
-FLAGGED_INFLATION = 16.0
+#: flagged as ruled by rounding when ``sq_i < CANCELLATION_GUARD * err_i``, ``err_i`` a worst-case bound of its
+#: rounding (:func:`gram_rounding`). The per-sample gradient ``sum_t l_t r_t^T`` then cancels across positions (or
+#: uses) to far below its terms, and the computed ``sq_i`` can be anything from 0 to several times the true one,
+#: while the book-keeping contraction releases the true gradient (plus a far smaller rounding). Red-team
+#: constructions released 170 R (two positions with one input and output gradients ``g``, ``-(1 + 2^-12) g``: ``sq``
+#: clamped to 0, clipping factor 1) and, against an estimate that assumed rounding growing like ``sqrt(width)``,
+#: 1.03-2.8 R (float32 sums in 8 or 4 lanes, float64 in one register, each dropping a tail of products). A flagged
+#: sample's squared norm becomes ``max(sq_i, 0) + FLAGGED_INFLATION * err_i`` (at most the triangle bound
+#: ``(sum_t ||l_t|| ||r_t||)^2``, which no cancellation can exceed): never below the true one. Not flagged, the
+#: rounding is below ``1 / CANCELLATION_GUARD`` of ``sq_i``, so ``||C_i g_i|| <= sqrt(1 + 2^-6) R = 1.008 R`` at
+#: worst, whatever the summation order (to the rounding of the final sum over ``T^2`` products and of the
+#: contraction, both far smaller in practice).
+CANCELLATION_GUARD = 2.0 ** 6
+#: how many rounding bounds a flagged sample's squared norm is raised by (:data:`CANCELLATION_GUARD`)
+FLAGGED_INFLATION = 2.0
 
 
 def gram_rounding(other: torch.Tensor, norms_t: torch.Tensor, norms_s: torch.Tensor, width: int) -> torch.Tensor:
-    """``(B,)``: ``u sqrt(width) sum_{t,s} ||x_t|| ||y_s|| |M_ts|``, an estimate of what the rounding of one Gram
-    ``X Y^T`` (entries of ``width`` products, each off by at most ``~u sqrt(width) ||x_t|| ||y_s||`` in practice: ``u``
-    the unit roundoff of its dtype, ``sqrt`` the growth of rounding that does not align) moves ``<X Y^T, M>``.
-    ``other`` ``(B, g, Tx, Ty)``: the Gram ``M`` it is paired with; ``norms_t``, ``norms_s``: ``(B, g, Tx)``,
-    ``(B, g, Ty)``, the rows' norms of ``X`` and ``Y``."""
+    """``(B,)``: ``u width sum_{t,s} ||x_t|| ||y_s|| |M_ts|``, a bound of what the rounding of one Gram ``X Y^T``
+    moves ``<X Y^T, M>``: an entry of ``width`` products is off by at most ``(width - 1) u sum_j |x_tj y_sj| <= width u
+    ||x_t|| ||y_s||`` in any order of summation (``u`` the unit roundoff of its dtype). ``other`` ``(B, g, Tx, Ty)``:
+    the Gram ``M`` it is paired with; ``norms_t``, ``norms_s``: ``(B, g, Tx)``, ``(B, g, Ty)``, the rows' norms of
+    ``X`` and ``Y``."""
     u = torch.finfo(other.dtype).eps / 2
     quad = (torch.matmul(other.abs(), norms_s.unsqueeze(-1)).squeeze(-1) * norms_t).sum(dim=(1, 2))
-    return quad * (u * math.sqrt(max(width, 1)))
+    return quad * (u * max(width, 1))
 
 
 def guarded_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
     """``sq`` ``(B,)`` where rounding does not rule it (:data:`CANCELLATION_GUARD`), else ``max(sq, 0) +
     FLAGGED_INFLATION * err``, at most ``bound_sq`` (the triangle bound's square) times ``1 + 2^-10``. ``err``
-    ``(B,)``: the estimate of ``sq``'s rounding (:func:`gram_rounding`, summed over the Grams that gave it). No host
+    ``(B,)``: the bound of ``sq``'s rounding (:func:`gram_rounding`, summed over the Grams that gave it). No host
     synchronisation; a NaN ``sq`` stays NaN."""
     flagged = sq < CANCELLATION_GUARD * err
     raised = torch.minimum(sq.clamp(min=0) + FLAGGED_INFLATION * err, bound_sq * (1.0 + 2.0 ** -10))

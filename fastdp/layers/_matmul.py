@@ -161,7 +161,7 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True,
 
 def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narrow: torch.dtype | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sq, err, bound_sq)`` ``(B,)`` each: the unguarded ghost norm ``||G_i^T A_i||_F^2``, an estimate of its
+    """``(sq, err, bound_sq)`` ``(B,)`` each: the unguarded ghost norm ``||G_i^T A_i||_F^2``, a bound of its
     rounding and the triangle bound's square (:func:`fastdp.layers._factored.guarded_sq`). ``share``: the input Gram
     may come from (and go to) the cache of :func:`shared_input_grams` (only for an ``A`` that stays alive for the
     whole pass: the cache is keyed by its storage). ``narrow``: the Gram products in bfloat16 with float32

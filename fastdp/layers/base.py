@@ -172,7 +172,7 @@ class LayerKind:
 
     def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(sq, err, bound_sq)``, ``(B,)`` each: the ghost norm as its Gram matrices give it, an estimate of its
+        """``(sq, err, bound_sq)``, ``(B,)`` each: the ghost norm as its Gram matrices give it, a bound of its
         rounding (:func:`fastdp.layers._factored.gram_rounding`) and the square of the triangle bound ``sum_t ||l_t||
         ||r_t||`` of ``||g_i||``. Kinds with :meth:`ghost_names` implement it."""
         raise NotImplementedError

@@ -326,6 +326,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import levers
 
     import fastdp.clipped_sums
+    import fastdp.layers._factored
     import fastdp.layers._matmul
     import fastdp.noise
     from fastdp.layers.kinds import conv as conv_kind
@@ -339,7 +340,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
                 dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
-                groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs, dict(fastdp.layers._matmul.GRAM_ALIGN))
+                groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs, dict(fastdp.layers._matmul.GRAM_ALIGN),
+                fastdp.layers._factored.gram_rounding, fastdp.layers._factored.guarded_sq)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -352,7 +354,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
                          "conv-kept-rule before", "noise-in-place before", "gram-strips before",
                          "conv-per-sample-measure before", "ln-weighted-kernel before", "gn-folded before",
-                         "balanced-noise-runs before"}
+                         "balanced-noise-runs before", "cancellation-guard before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 

@@ -130,12 +130,12 @@ def test_random_positions_are_not_flagged(T, d):
 
 def test_guarded_sq_raises_only_what_rounding_rules():
     sq = torch.tensor([4.0, 1e-9, -1e-9, 0.0, float("nan"), 1.0, 1e-9])
-    err = torch.tensor([1e-6, 1e-3, 1e-3, 0.0, 1e-3, float("inf"), 1.0])
+    err = torch.tensor([1e-6, 1e-3, 1e-3, 0.0, 1e-3, float("inf"), 10.0])
     bound = torch.full((7,), 9.0)
     out = _factored.guarded_sq(sq, err, bound)
     assert out[0] == 4.0 and out[3] == 0.0  # rounding far below it; no terms at all
     raised = _factored.FLAGGED_INFLATION * 1e-3
-    assert out[1] == pytest.approx(1e-9 + raised) and out[2] == pytest.approx(raised)  # max(sq, 0) + 16 err
+    assert out[1] == pytest.approx(1e-9 + raised) and out[2] == pytest.approx(raised)  # max(sq, 0) + 2 err
     capped = 9.0 * (1 + 2.0**-10)
     assert out[5] == capped and out[6] == capped  # never above the triangle bound
     assert torch.isnan(out[4])  # a NaN stays non-finite
@@ -209,3 +209,46 @@ def test_instantiated_embedding_rows_with_contracted_sums_stay_within_R():
     # (index_add_ of coef_i G_t here rounds like the instantiation's scatter_add_; no release above R was found
     # without the guard either: this checks that the guard keeps it so)
     assert _worst(_small_embedding_case, "BK-MixGhostClip", seeds=30) <= 1 + 1e-4
+
+
+def _lane_tail_case(d: int, eps: float, dtype: torch.dtype = torch.float32):
+    # (red-team, second pass) 8 "bigs" 1 + 2u, one per lane of a float32 dot product's vectorised sum, and a tail of
+    # +-s (s^2 = 0.99 u) that each lane drops: the Grams lose about d / 8 roundoffs, not sqrt(d), which an estimate
+    # growing like sqrt(d) let through (1.03 R at d 4096; 1.99 R in float64, whose dgemm sums in one register)
+    u = torch.finfo(dtype).eps / 2
+    a0 = torch.full((d,), math.sqrt(0.99 * u), dtype=dtype)
+    a0[:8] = 1 + 2 * u
+    a1 = -a0
+    a1[:8] = 1 + 2 * u
+    g = torch.zeros(8, dtype=dtype)
+    g[0] = 2.0**16
+    x, y = torch.stack([a0, a1])[None], torch.stack([g, -(1 - eps) * g])[None]
+    true = float(torch.einsum("tp,td->pd", y[0].double(), x[0].double()).norm())
+    return nn.Linear(d, 8, bias=False).to(dtype), lambda m: (m(x) * y).sum(), true
+
+
+@pytest.mark.parametrize("d", [768, 4096])
+def test_lane_tails_stay_within_the_documented_bound(d):
+    # the rounding bound grows like the width (any summation order): unflagged, ||C_i g_i|| <= sqrt(1 + 2^-6) R
+    worst = 0.0
+    for k in range(0, 60, 3):
+        model, loss, true = _lane_tail_case(d, 2.0 ** (-0.2 * k))
+        worst = max(worst, _release_norm(model, loss, "BK-ghost", true / 100))
+    assert worst <= math.sqrt(1 + 2.0**-6), worst
+
+
+def test_float64_one_register_sums_stay_within_R():
+    # float64 Embedding at T 16: the Gram's dot products run over the whole width in one register
+    u, d, T = 2.0**-53, 768, 16
+    G = torch.zeros(T, d, dtype=torch.float64)
+    G[0] = math.sqrt(0.99 * u)
+    G[0, 0] = 1 + 2 * u
+    G[1] = G[0]
+    G[1, 0] = -(1 + 2 * u)  # the same token as position 0: its row keeps only the tails
+    G *= 2.0**16
+    tok = torch.arange(T)[None].clone()
+    tok[0, 1] = 0
+    true = float((G[0] + G[1]).norm())
+    for mode in MODES:
+        model = nn.Embedding(32, d).double()
+        assert _release_norm(model, lambda m: (m(tok) * G[None]).sum(), mode, true / 100) <= 1 + 1e-6, mode
