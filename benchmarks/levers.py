@@ -59,7 +59,7 @@ Levers:
   few samples at a time (``"patches"``).
 * ``conv-sum-measure``: the same against always the kernel (``"kernel"``).
 * ``cancellation-guard``: not a speed lever but the cost of a privacy fix. Each ghost norm also estimates its
-  rounding (``fastdp.layers._factored.gram_rounding``: ``|L| ||a_t|| ||a_s||`` summed, one matrix-vector product per
+  rounding (``fastdp.layers._rounding.gram_rounding``: ``|L| ||a_t|| ||a_s||`` summed, one matrix-vector product per
   Gram) and raises samples that rounding rules (``guarded_sq``); before: the inner product alone, nothing flagged.
 * ``conv-per-sample-measure``: a convolution's per-sample gradients at ``T >= 256`` by the grouped kernel or from
   patches, whichever was faster when timed once per call shape (``fastdp.layers.kinds.conv.PER_SAMPLE_GRADS =

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp.layers import _factored
+from fastdp.layers import _rounding
 from fastdp.layers.base import LayerKind, accumulation_dtype
 from fastdp.modes import ClippingMode
 from fastdp.records import Record
@@ -153,14 +153,14 @@ def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode) -> torch
         if name in rec.kind.ghost_names(rec.module):
             term, term_err, _ = rec.kind.ghost_norm_parts(rec.module, rec.ctx, name)  # unguarded: the total is
         else:
-            term, term_err = _factored.inner_parts(fu, fu, dtype)
+            term, term_err = _rounding.inner_parts(fu, fu, dtype)
         for fv in facs[u + 1:]:
-            cross, cross_err = _factored.inner_parts(fu, fv, dtype)
+            cross, cross_err = _rounding.inner_parts(fu, fv, dtype)
             term, term_err = term + 2.0 * cross, term_err + 2.0 * cross_err
         total = term if total is None else total + term
         err = term_err if err is None else err + term_err
-        b = _factored.norm_bound(fu, dtype)
+        b = _rounding.norm_bound(fu, dtype)
         bound = b if bound is None else bound + b
     # uses whose gradients cancel (a tied weight's) or positions within one: the guard on the total, whose rounding
     # is that of every Gram of every pair; the triangle bound sum_u ||g_i^u|| caps what a flagged sample gets
-    return _factored.guarded_sq(total, err, bound.square())
+    return _rounding.guarded_sq(total, err, bound.square())

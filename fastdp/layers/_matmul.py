@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fastdp.layers import _factored
+from fastdp.layers import _factored, _rounding
 from fastdp.layers._factored import Factors
 from fastdp.layers.base import LayerKind, to_accumulation
 from fastdp.torch_api import bf16_matmul_float32
@@ -155,14 +155,14 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True,
                   narrow: torch.dtype | None = None) -> torch.Tensor:
     """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices in strips
     (:func:`gram_strips`, :func:`strips_inner`), guarded against rounding where the gradient cancels across positions
-    (:func:`fastdp.layers._factored.guarded_sq` of :func:`ghost_norm_parts`)."""
-    return _factored.guarded_sq(*ghost_norm_parts(A, G, share, narrow))
+    (:func:`fastdp.layers._rounding.guarded_sq` of :func:`ghost_norm_parts`)."""
+    return _rounding.guarded_sq(*ghost_norm_parts(A, G, share, narrow))
 
 
 def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narrow: torch.dtype | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sq, err, bound_sq)`` ``(B,)`` each: the unguarded ghost norm ``||G_i^T A_i||_F^2``, a bound of its
-    rounding and the triangle bound's square (:func:`fastdp.layers._factored.guarded_sq`). ``share``: the input Gram
+    rounding and the triangle bound's square (:func:`fastdp.layers._rounding.guarded_sq`). ``share``: the input Gram
     may come from (and go to) the cache of :func:`shared_input_grams` (only for an ``A`` that stays alive for the
     whole pass: the cache is keyed by its storage). ``narrow``: the Gram products in bfloat16 with float32
     accumulation (:func:`product`)."""
@@ -174,10 +174,10 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
     ggt = gram_strips(G, narrow)
     d, p = A.shape[-1], G.shape[-1]
     if len(aat) == 1:
-        return _factored.symmetric_parts(aat[0], ggt[0], d, p)
+        return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
     na, ng = strips_diagonal_norms(aat), strips_diagonal_norms(ggt)
     err = strips_rounding(ggt, na, d) + strips_rounding(aat, ng, p)
-    return strips_inner(aat, ggt), err, _factored.triangle_bound_sq(na, ng)
+    return strips_inner(aat, ggt), err, _rounding.triangle_bound_sq(na, ng)
 
 
 #: how :func:`gram_strips` cuts a ``T x T`` Gram matrix, by device type (others: ``"default"``): ``(h, K)``, strips of
@@ -203,42 +203,6 @@ GRAM_STRIP = {"cpu": (64, 4), "default": (1, 1)}
 #: (``fastdp BK-MixOpt, aligned Grams`` in ``benchmarks/run.py``: 1.37x against 1.38x non-private at 32², 1.38x
 #: against 1.37x at 64², 1.16x both at 128²). Not measured on a GPU.
 GRAM_ALIGN: dict[str, int] = {}
-
-
-#: an operand entry at or above ``NORM_RANGE / sqrt(width)`` (``width``: the entries of one position) puts its sample
-#: outside what the clipping stage can bound: the squared norm of that position may overflow float32 (the ghost
-#: norm's Gram diagonal ``||a_t||^2`` is then infinite, and the sample non-finite), and a contraction of the other
-#: operand scaled by ``coef_i`` may fall below float32's normal range and round off by more than its rounding. See
-#: :func:`beyond_norm_range`.
-NORM_RANGE = 2.0 ** 64
-
-
-def beyond_norm_range(X: torch.Tensor, width: int) -> torch.Tensor:
-    """``(B,)`` bool: the samples of ``X`` ``(B, ...)`` with an entry of magnitude ``>= NORM_RANGE / sqrt(width)``.
-
-    A sample not flagged has every position's norm (``width`` entries) below ``2^64``, so its ``T``-position operand's
-    Frobenius norm is below ``2^64 sqrt(T)``, as the ghost norm's finite Gram diagonal guarantees. The clipped sum
-    ``sum_i (coef_i X_i)^T Y_i`` then loses at most ``2^-150`` per subnormal entry of ``coef_i X_i`` (``2^-134`` for
-    the last part of :func:`split_bf16`), so its error beyond float32 rounding is at most
-    ``2^-150 sqrt(n_X) 2^64 sqrt(T)`` in absolute terms (``2^-134`` instead of ``2^-150`` with bfloat16 products):
-    below ``1e-16`` (``1e-12``) for up to ``2^30`` numbers and positions per sample. Reads ``X`` twice (``amax``,
-    ``amin``), no temporary of its size; a NaN entry is not flagged (the sample's norm is NaN anyway)."""
-    B = X.shape[0]
-    flat = X.reshape(B, math.prod(X.shape[1:]))
-    if flat.shape[1] == 0:
-        return torch.zeros(B, dtype=torch.bool, device=X.device)
-    bound = NORM_RANGE / math.sqrt(max(width, 1))
-    return torch.maximum(flat.amax(1), flat.amin(1).neg()).float() >= bound
-
-
-def guard_contracted(sq: torch.Tensor, A: torch.Tensor, width: int, a_norms: torch.Tensor,
-                     G: torch.Tensor) -> torch.Tensor:
-    """:meth:`LayerKind.guard_contracted` for operands ``A`` (``(B, g, T, d)``, or a convolution's input whose
-    patches of ``width`` entries are its positions) and ``G`` ``(B, g, T, p)``; ``a_norms`` ``(B, g, T)``: the norms
-    of ``A``'s positions."""
-    sq = sq.masked_fill(beyond_norm_range(A, width) | beyond_norm_range(G, G.shape[-1]), math.inf)
-    g_norms = torch.linalg.vector_norm(to_accumulation(G), dim=-1)
-    return _factored.guarded_instantiated_sq(sq, _factored.triangle_bound_sq(a_norms, g_norms))
 
 
 def strip_count(X: torch.Tensor) -> int:
@@ -300,7 +264,7 @@ def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
 
 
 def strips_rounding(other: list[torch.Tensor], norms: torch.Tensor, width: int) -> torch.Tensor:
-    """:func:`fastdp.layers._factored.gram_rounding` of a symmetric Gram (its positions' norms ``norms``
+    """:func:`fastdp.layers._rounding.gram_rounding` of a symmetric Gram (its positions' norms ``norms``
     ``(B, g, T)``, entries of ``width`` products) against the Gram ``other`` given in :func:`gram_strips`' strips:
     each strip's leading block once, the rest twice (for its mirror image)."""
     T = norms.shape[-1]
@@ -308,9 +272,9 @@ def strips_rounding(other: list[torch.Tensor], norms: torch.Tensor, width: int) 
     for q in other:
         n, lo = q.shape[2], T - q.shape[3]
         rows = norms[..., lo:lo + n]
-        term = _factored.gram_rounding(q[..., :n], rows, rows, width)
+        term = _rounding.gram_rounding(q[..., :n], rows, rows, width)
         if q.shape[3] > n:
-            term = term + 2.0 * _factored.gram_rounding(q[..., n:], rows, norms[..., lo + n:], width)
+            term = term + 2.0 * _rounding.gram_rounding(q[..., n:], rows, norms[..., lo + n:], width)
         total = term if total is None else total + term
     return total
 
@@ -318,7 +282,7 @@ def strips_rounding(other: list[torch.Tensor], norms: torch.Tensor, width: int) 
 def strips_diagonal_norms(P: list[torch.Tensor]) -> torch.Tensor:
     """``(B, g, T)``: the positions' norms, from the diagonal of the Gram matrix that :func:`gram_strips` cut (each
     strip's leading square block holds its part of it)."""
-    parts = [_factored.diagonal_norms(p[..., :p.shape[2]]) for p in P]
+    parts = [_rounding.diagonal_norms(p[..., :p.shape[2]]) for p in P]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
@@ -499,7 +463,8 @@ class OuterProductKind(LayerKind):
         A, G = ctx
         if name == "bias" or A is None:  # the bias's sum reads G summed over positions, as its instantiation does
             return sq
-        return guard_contracted(sq, A, A.shape[-1], torch.linalg.vector_norm(to_accumulation(A), dim=-1), G)
+        a_norms = torch.linalg.vector_norm(A, dim=-1, dtype=torch.promote_types(A.dtype, torch.float32))
+        return _rounding.guard_contracted(sq, A, A.shape[-1], a_norms, G)
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         A, G = ctx

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fastdp.layers import _factored
+from fastdp.layers import _rounding
 from fastdp.layers._factored import Factors
 from fastdp.layers.spec import DocRow, OracleCase, Refusal
 from fastdp.torch_api import ieee_float32
@@ -167,13 +167,13 @@ class LayerKind:
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``: :meth:`ghost_norm_parts` guarded
-        where rounding rules it (:func:`fastdp.layers._factored.guarded_sq`)."""
-        return _factored.guarded_sq(*self.ghost_norm_parts(module, ctx, name))
+        where rounding rules it (:func:`fastdp.layers._rounding.guarded_sq`)."""
+        return _rounding.guarded_sq(*self.ghost_norm_parts(module, ctx, name))
 
     def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sq, err, bound_sq)``, ``(B,)`` each: the ghost norm as its Gram matrices give it, a bound of its
-        rounding (:func:`fastdp.layers._factored.gram_rounding`) and the square of the triangle bound ``sum_t ||l_t||
+        rounding (:func:`fastdp.layers._rounding.gram_rounding`) and the square of the triangle bound ``sum_t ||l_t||
         ||r_t||`` of ``||g_i||``. Kinds with :meth:`ghost_names` implement it."""
         raise NotImplementedError
 
@@ -189,9 +189,9 @@ class LayerKind:
         """``sq`` ``(B,)``, the squared norms of instantiated per-sample gradients of ``name``, made safe for a clipped
         sum that contracts the operands instead of summing those gradients (``BK-MixGhostClip``'s instantiated
         layers): infinite for a sample whose operands leave the range the clipping stage can bound
-        (:func:`fastdp.layers._matmul.beyond_norm_range`: a ghost norm's Gram would overflow there), and the triangle
+        (:func:`fastdp.layers._rounding.beyond_norm_range`: a ghost norm's Gram would overflow there), and the triangle
         bound where the gradient cancels so far that the contraction's rounding may exceed it
-        (:func:`fastdp.layers._factored.guarded_instantiated_sq`). This default: ``sq`` as it is (a kind whose
+        (:func:`fastdp.layers._rounding.guarded_instantiated_sq`). This default: ``sq`` as it is (a kind whose
         clipped sum is ``sum_i coef_i g_i`` of :meth:`per_sample_grad` itself, exact to rounding at any magnitude)."""
         return sq
 

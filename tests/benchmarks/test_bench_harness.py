@@ -341,7 +341,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
                 dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
                 groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs, dict(fastdp.layers._matmul.GRAM_ALIGN),
-                fastdp.layers._factored.gram_rounding, fastdp.layers._factored.guarded_sq)
+                fastdp.layers._rounding.gram_rounding, fastdp.layers._rounding.guarded_sq)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])

@@ -3,7 +3,7 @@
 A ghost norm is ``sum_{t,s} K_ts L_ts`` over two Gram matrices. When a sample's gradient ``sum_t l_t r_t^T`` cancels
 to far below its terms (two positions with one input and output gradients ``g``, ``-(1 + eps) g``), float32 rounding
 of the Grams (``~2^-24`` of the terms) rules the computed value: it came out as 0 or below, the clipping factor was 1,
-and the book-keeping contraction released the true gradient: 170 R. ``fastdp.layers._factored.guarded_sq`` flags
+and the book-keeping contraction released the true gradient: 170 R. ``fastdp.layers._rounding.guarded_sq`` flags
 such a sample (``sq < 2^12 u sum |K L|``) and takes the triangle bound ``sum_t ||l_t|| ||r_t||`` as its norm.
 """
 
@@ -16,7 +16,7 @@ import torch
 from oracle import make_engine
 from torch import nn
 
-from fastdp.layers import _factored, _matmul, registry
+from fastdp.layers import _matmul, _rounding, registry
 
 MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
 EPS = [2.0**-6, 2.0**-12, 1.5 * 2.0**-17, 2.0**-21]
@@ -112,7 +112,7 @@ def test_other_gradients_that_cancel_are_released_within_R(mode, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_constructions_unclip_without_the_guard(case, monkeypatch):
     # the tests above can fail: with the guard off, the ghost norm's rounding releases several times R
-    monkeypatch.setattr(_factored, "guarded_sq", lambda sq, err, bound: sq)
+    monkeypatch.setattr(_rounding, "guarded_sq", lambda sq, err, bound: sq)
     assert _worst(CASES[case], "BK-ghost") > 2
 
 
@@ -122,7 +122,7 @@ def test_random_positions_are_not_flagged(T, d):
     gen = torch.Generator().manual_seed(T)
     A, G = torch.randn(2, 1, T, d, generator=gen), torch.randn(2, 1, T, d, generator=gen)
     sq, err, bound = _matmul.ghost_norm_parts(A, G, share=False)
-    assert float((sq / (_factored.CANCELLATION_GUARD * err)).min()) > 2, (sq, err)
+    assert float((sq / (_rounding.CANCELLATION_GUARD * err)).min()) > 2, (sq, err)
     exact = torch.einsum("bgtp,bgtd->bgpd", G.double(), A.double()).square().sum(dim=(1, 2, 3))
     torch.testing.assert_close(_matmul.ghost_norm_sq(A, G, share=False).double(), exact, rtol=1e-5, atol=0)
     assert bool((bound.double() >= exact).all())
@@ -132,9 +132,9 @@ def test_guarded_sq_raises_only_what_rounding_rules():
     sq = torch.tensor([4.0, 1e-9, -1e-9, 0.0, float("nan"), 1.0, 1e-9])
     err = torch.tensor([1e-6, 1e-3, 1e-3, 0.0, 1e-3, float("inf"), 10.0])
     bound = torch.full((7,), 9.0)
-    out = _factored.guarded_sq(sq, err, bound)
+    out = _rounding.guarded_sq(sq, err, bound)
     assert out[0] == 4.0 and out[3] == 0.0  # rounding far below it; no terms at all
-    raised = _factored.FLAGGED_INFLATION * 1e-3
+    raised = _rounding.FLAGGED_INFLATION * 1e-3
     assert out[1] == pytest.approx(1e-9 + raised) and out[2] == pytest.approx(raised)  # max(sq, 0) + 2 err
     capped = 9.0 * (1 + 2.0**-10)
     assert out[5] == capped and out[6] == capped  # never above the triangle bound
@@ -146,7 +146,7 @@ def test_strips_give_the_whole_matrices_parts():
     A, G = torch.randn(3, 2, 130, 5, generator=gen), torch.randn(3, 2, 130, 7, generator=gen)
     strips = _matmul.ghost_norm_parts(A, G, share=False)
     assert len(_matmul.gram_strips(A)) > 1  # the CPU's rule cuts T 130 into strips
-    whole = _factored.symmetric_parts(A @ A.transpose(-1, -2), G @ G.transpose(-1, -2), 5, 7)
+    whole = _rounding.symmetric_parts(A @ A.transpose(-1, -2), G @ G.transpose(-1, -2), 5, 7)
     for got, want in zip(strips, whole, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     torch.testing.assert_close(_matmul.strips_diagonal_norms(_matmul.gram_strips(A)), A.norm(dim=-1), rtol=1e-5,
@@ -179,7 +179,7 @@ def _small_layer_case(seed: int):
 
 def test_instantiated_norms_with_contracted_sums_are_guarded(monkeypatch):
     assert _worst(_small_layer_case, "BK-MixGhostClip", seeds=30) <= 1 + 1e-4  # float32 rounding of R = 1
-    monkeypatch.setattr(_factored, "guarded_instantiated_sq", lambda sq, bound: sq)
+    monkeypatch.setattr(_rounding, "guarded_instantiated_sq", lambda sq, bound: sq)
     assert _worst(_small_layer_case, "BK-MixGhostClip", seeds=30) > 1.01  # without the guard: 1.078 R
 
 

@@ -1,4 +1,4 @@
-"""Samples whose operands leave the range the clipping stage can bound (``fastdp.layers._matmul.beyond_norm_range``).
+"""Samples whose operands leave the range the clipping stage can bound (``fastdp.layers._rounding.beyond_norm_range``).
 
 Where a layer's per-sample norm is instantiated but its clipped sum contracts the kept input and output gradient
 (``BK-MixGhostClip``'s instantiated layers), the scaled operand ``coef_i G_i`` of a sample with huge activations and
@@ -18,7 +18,7 @@ from oracle import make_engine
 from torch import nn
 
 from fastdp.clipped_sums import NonFiniteGradientError
-from fastdp.layers import _matmul
+from fastdp.layers import _matmul, _rounding
 
 MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
 HUGE = 1.5 * 2.0**126  # 1.28e38, a float32 (and bfloat16) value
@@ -106,18 +106,18 @@ def test_large_operands_within_the_range_are_released_exactly(mode):
 
 def test_the_flag_threshold():
     width = 7
-    bound = _matmul.NORM_RANGE / math.sqrt(width)
+    bound = _rounding.NORM_RANGE / math.sqrt(width)
     below = torch.nextafter(torch.tensor(bound, dtype=torch.float32), torch.tensor(0.0)).item()
     X = torch.zeros(5, 3, width)
     X[1, 2, 4] = bound
     X[2, 0, 0] = -bound
     X[3, 1, 6] = below
     X[4, 0, 1] = float("inf")
-    assert _matmul.beyond_norm_range(X, width).tolist() == [False, True, True, False, True]
+    assert _rounding.beyond_norm_range(X, width).tolist() == [False, True, True, False, True]
     # a sample not flagged has every position's norm below 2^64: the ghost norm's squared norms stay finite
     row = torch.full((width,), below)
     assert math.isfinite(float(row.square().sum()))
-    assert _matmul.beyond_norm_range(torch.zeros(0, 3, width), width).shape == (0,)
-    assert _matmul.beyond_norm_range(torch.zeros(4, 0, width), width).tolist() == [False] * 4
+    assert _rounding.beyond_norm_range(torch.zeros(0, 3, width), width).shape == (0,)
+    assert _rounding.beyond_norm_range(torch.zeros(4, 0, width), width).tolist() == [False] * 4
     bf = X.to(torch.bfloat16)
-    assert _matmul.beyond_norm_range(bf, width)[1:3].tolist() == [True, True]
+    assert _rounding.beyond_norm_range(bf, width)[1:3].tolist() == [True, True]

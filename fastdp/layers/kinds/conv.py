@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdp.layers import _factored, _matmul
+from fastdp.layers import _matmul, _rounding
 from fastdp.layers._factored import Factors
 from fastdp.layers.base import to_accumulation
 from fastdp.layers.registry import register
@@ -119,7 +119,7 @@ class ConvKind(_matmul.OuterProductKind):
         call: ConvCall = ctx
         if PIXEL_GRAMS and call.pixel_gram_pays():
             G = call.G
-            parts = [_factored.symmetric_parts(call.input_gram(lo, hi), torch.matmul(G[lo:hi], G[lo:hi].transpose(
+            parts = [_rounding.symmetric_parts(call.input_gram(lo, hi), torch.matmul(G[lo:hi], G[lo:hi].transpose(
                 -1, -2)), call.d, call.p) for lo, hi in call.chunks(call.pixel_gram_bytes())]
         else:
             # fresh patches per chunk: not the shared input-Gram cache (it keys on storage, which a chunk reuses)
@@ -141,7 +141,7 @@ class ConvKind(_matmul.OuterProductKind):
         if name == "bias":
             return sq
         call: ConvCall = ctx  # a patch holds entries of x (or padding): a position of d of them
-        return _matmul.guard_contracted(sq, call.x, call.d, call.patch_norms(), call.G)
+        return _rounding.guard_contracted(sq, call.x, call.d, call.patch_norms(), call.G)
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         if name == "bias":

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp.layers import _factored
+from fastdp.layers import _rounding
 from fastdp.layers._factored import Factors, OneHot
 from fastdp.layers.base import LayerKind, to_accumulation
 from fastdp.layers.registry import register
@@ -89,7 +89,7 @@ class EmbeddingKind(LayerKind):
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, T), exact integer comparison
         ggt = torch.matmul(G, G.transpose(1, 2)).unsqueeze(1)
         # rows of one token whose gradients cancel: only the output gradients' Gram rounds (the mask is exact)
-        return _factored.symmetric_parts(same.to(ggt.dtype), ggt, 0, G.shape[-1])
+        return _rounding.symmetric_parts(same.to(ggt.dtype), ggt, 0, G.shape[-1])
 
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         ids, G = ctx  # g_i = sum_t onehot(x_i[t]) (x) G_i[t]
@@ -105,8 +105,8 @@ class EmbeddingKind(LayerKind):
         # rows of one token whose gradients cancel: the sum's rounding (index_add_ of coef_i G_t) is not the
         # instantiation's (scatter_add_ of G_t); the triangle bound sum_t ||G_t|| where it could rule
         ids, G = ctx
-        bound = _factored.triangle_bound_sq(torch.linalg.vector_norm(G, dim=-1).unsqueeze(1), 1.0)
-        return _factored.guarded_instantiated_sq(sq, bound)
+        bound = _rounding.triangle_bound_sq(torch.linalg.vector_norm(G, dim=-1).unsqueeze(1), 1.0)
+        return _rounding.guarded_instantiated_sq(sq, bound)
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         ids, G = ctx

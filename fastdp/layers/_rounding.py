@@ -1,0 +1,167 @@
+"""Where floating point can break the clip bound ``||C_i g_i|| <= R``, and the guards that keep it.
+
+The clipping stage computes a sample's norm one way (Gram matrices, or an instantiated per-sample gradient) and its
+clipped sum another (the book-keeping contraction ``sum_i (coef_i X_i)^T Y_i``). Exact arithmetic makes them agree;
+floating point agrees to rounding *relative to the terms*, which is not enough in two cases:
+
+* **range**: a huge operand (an entry near ``2^64 / sqrt(width)`` or beyond) overflows a ghost norm's squared
+  position norms (the sample is then non-finite), or, where the norm was instantiated, lets the scaled operand
+  ``coef_i X_i`` fall below the normal range and round off (:func:`beyond_norm_range`);
+* **cancellation**: a gradient that cancels across positions (or uses of a shared weight) to far below its terms,
+  where the rounding of the Grams, or the two roundings of one sum, rule the result (:func:`guarded_sq`,
+  :func:`guarded_instantiated_sq`).
+
+Each guard flags what it cannot bound and gives such a sample a norm that no rounding can undercut (infinite, i.e.
+non-finite; raised by the rounding bound; at most the triangle bound ``sum_t ||l_t|| ||r_t||``), with no host
+synchronisation. docs/internals/clipping.md ("Gradients that cancel") has the red-team constructions each guard
+answers and what they leave.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastdp.layers import _factored
+from fastdp.layers._factored import Factors, OneHot, Side
+
+
+def inner_parts(u: Factors, v: Factors, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fastdp.layers._factored.inner` and a bound of its rounding (:func:`gram_rounding`), both ``(B,)``. A
+    Gram of a one-hot factor (a token-equality mask or a gather) is exact; a dense one rounds like any product of its
+    width."""
+    if u.layout != v.layout:
+        raise ValueError(f"factored gradients of layouts {u.layout} and {v.layout} cannot be paired")
+    gl, gr = _factored.gram(u.left, v.left, dtype), _factored.gram(u.right, v.right, dtype)
+    err = torch.zeros(gl.shape[0], dtype=gl.dtype, device=gl.device)
+    _, m, n = u.layout
+    for other, a, b, width in ((gr, u.left, v.left, m), (gl, u.right, v.right, n)):  # each Gram against the other
+        if not (isinstance(a, OneHot) or isinstance(b, OneHot)):
+            err = err + gram_rounding(other, position_norms(a, dtype), position_norms(b, dtype), width)
+    return _factored.gram_inner(gl, gr), err
+
+
+def position_norms(s: Side, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, g, T)``: the norms of a factor's rows (1 for a one-hot factor)."""
+    if isinstance(s, OneHot):
+        return torch.ones(s.ids.shape, dtype=dtype, device=s.ids.device)
+    return torch.linalg.vector_norm(s.to(dtype), dim=-1)
+
+
+def norm_bound(f: Factors, dtype: torch.dtype) -> torch.Tensor:
+    """``(B,)``: an upper bound of ``||g_i||`` whatever cancels (:func:`triangle_bound_sq`'s root)."""
+    return triangle_bound_sq(position_norms(f.left, dtype), position_norms(f.right, dtype)).sqrt()
+
+
+#: A ghost norm ``sq_i = sum_{t,s} K_ts L_ts`` (two Gram matrices, ``K_ts = <l_t, l_s>``, ``L_ts = <r_t, r_s>``) is
+#: flagged as ruled by rounding when ``sq_i < CANCELLATION_GUARD * err_i``, ``err_i`` a worst-case bound of its
+#: rounding (:func:`gram_rounding`). The per-sample gradient ``sum_t l_t r_t^T`` then cancels across positions (or
+#: uses) to far below its terms, and the computed ``sq_i`` can be anything from 0 to several times the true one,
+#: while the book-keeping contraction releases the true gradient (plus a far smaller rounding). Red-team
+#: constructions released 170 R (two positions with one input and output gradients ``g``, ``-(1 + 2^-12) g``: ``sq``
+#: clamped to 0, clipping factor 1) and, against an estimate that assumed rounding growing like ``sqrt(width)``,
+#: 1.03-2.8 R (float32 sums in 8 or 4 lanes, float64 in one register, each dropping a tail of products). A flagged
+#: sample's squared norm becomes ``max(sq_i, 0) + FLAGGED_INFLATION * err_i`` (at most the triangle bound
+#: ``(sum_t ||l_t|| ||r_t||)^2``, which no cancellation can exceed): never below the true one. Not flagged, the
+#: rounding is below ``1 / CANCELLATION_GUARD`` of ``sq_i``, so ``||C_i g_i|| <= sqrt(1 + 2^-6) R = 1.008 R`` at
+#: worst, whatever the summation order (to the rounding of the final sum over ``T^2`` products and of the
+#: contraction, both far smaller in practice).
+CANCELLATION_GUARD = 2.0 ** 6
+#: how many rounding bounds a flagged sample's squared norm is raised by (:data:`CANCELLATION_GUARD`)
+FLAGGED_INFLATION = 2.0
+
+
+def gram_rounding(other: torch.Tensor, norms_t: torch.Tensor, norms_s: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B,)``: ``u width sum_{t,s} ||x_t|| ||y_s|| |M_ts|``, a bound of what the rounding of one Gram ``X Y^T``
+    moves ``<X Y^T, M>``: an entry of ``width`` products is off by at most ``(width - 1) u sum_j |x_tj y_sj| <= width u
+    ||x_t|| ||y_s||`` in any order of summation (``u`` the unit roundoff of its dtype). ``other`` ``(B, g, Tx, Ty)``:
+    the Gram ``M`` it is paired with; ``norms_t``, ``norms_s``: ``(B, g, Tx)``, ``(B, g, Ty)``, the rows' norms of
+    ``X`` and ``Y``."""
+    u = torch.finfo(other.dtype).eps / 2
+    quad = (torch.matmul(other.abs(), norms_s.unsqueeze(-1)).squeeze(-1) * norms_t).sum(dim=(1, 2))
+    return quad * (u * max(width, 1))
+
+
+def guarded_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
+    """``sq`` ``(B,)`` where rounding does not rule it (:data:`CANCELLATION_GUARD`), else ``max(sq, 0) +
+    FLAGGED_INFLATION * err``, at most ``bound_sq`` (the triangle bound's square) times ``1 + 2^-10``. ``err``
+    ``(B,)``: the bound of ``sq``'s rounding (:func:`gram_rounding`, summed over the Grams that gave it). No host
+    synchronisation; a NaN ``sq`` stays NaN."""
+    flagged = sq < CANCELLATION_GUARD * err
+    raised = torch.minimum(sq.clamp(min=0) + FLAGGED_INFLATION * err, bound_sq * (1.0 + 2.0 ** -10))
+    return torch.where(flagged, raised, sq)
+
+
+def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sq, err, bound_sq)`` ``(B,)`` each, for :func:`guarded_sq`, of the ghost norm ``<K_i, L_i>`` of two whole
+    symmetric Grams ``(B, g, T, T)`` whose entries are products of ``width_k`` and ``width_l`` numbers (``0``: an
+    exact Gram, e.g. a token-equality mask)."""
+    nk, nl = diagonal_norms(K), diagonal_norms(L)
+    err = torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
+    if width_k:
+        err = err + gram_rounding(L, nk, nk, width_k)
+    if width_l:
+        err = err + gram_rounding(K, nl, nl, width_l)
+    return _factored.gram_inner(K, L), err, triangle_bound_sq(nk, nl)
+
+
+def guarded_instantiated_sq(sq: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
+    """For a norm taken from an instantiated per-sample gradient ``fl(sum_t l_t r_t^T)`` while the clipped sum is a
+    separate contraction: ``max(sq, (2^12 u)^2 bound_sq)`` ``(B,)``, ``bound_sq`` the triangle bound's square
+    ``(sum_t ||l_t|| ||r_t||)^2``. The two roundings of one sum differ by about ``k u sum_t ||l_t|| ||r_t||`` (``k``
+    the summation's growth, far below ``2^12``), which rules a gradient cancelled that far: a red-team tie (``(2^16
+    + 2^40) - 2^40``, 0 in the instantiation and ``2^17`` in the contraction, where another sample's term broke the
+    tie) released 131072 R. The floor covers that difference; a gradient that is exactly 0 by symmetry keeps a norm
+    of ``2^-41`` of its terms in float64 (``2^-12`` in float32), far below any threshold, so its clipping factor is
+    unchanged. Legitimate data never comes near (random positions: ``||g_i||`` about ``T^-1/2`` of the bound)."""
+    u = torch.finfo(sq.dtype).eps / 2
+    return torch.maximum(sq, (2.0 ** 12 * u) ** 2 * bound_sq)
+
+
+def triangle_bound_sq(norms_left: torch.Tensor, norms_right: torch.Tensor | float) -> torch.Tensor:
+    """``sum_j (sum_t ||l_jt|| ||r_jt||)^2`` ``(B,)`` from position norms ``(B, g, T)``: the square of an upper bound
+    of ``||g_i||`` (``g_i[j] = sum_t l_jt r_jt^T``, the triangle inequality per group) that holds whatever cancels."""
+    return (norms_left * norms_right).sum(-1).square().sum(-1)
+
+
+def diagonal_norms(gram: torch.Tensor) -> torch.Tensor:
+    """``(B, g, T)``: ``sqrt`` of a Gram matrix's ``(B, g, T, T)`` diagonal, the positions' norms."""
+    return torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0).sqrt()
+
+
+#: an operand entry at or above ``NORM_RANGE / sqrt(width)`` (``width``: the entries of one position) puts its sample
+#: outside what the clipping stage can bound: the squared norm of that position may overflow float32 (the ghost
+#: norm's Gram diagonal ``||a_t||^2`` is then infinite, and the sample non-finite), and a contraction of the other
+#: operand scaled by ``coef_i`` may fall below float32's normal range and round off by more than its rounding. See
+#: :func:`beyond_norm_range`.
+NORM_RANGE = 2.0 ** 64
+
+
+def beyond_norm_range(X: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B,)`` bool: the samples of ``X`` ``(B, ...)`` with an entry of magnitude ``>= NORM_RANGE / sqrt(width)``.
+
+    A sample not flagged has every position's norm (``width`` entries) below ``2^64``, so its ``T``-position operand's
+    Frobenius norm is below ``2^64 sqrt(T)``, as the ghost norm's finite Gram diagonal guarantees. The clipped sum
+    ``sum_i (coef_i X_i)^T Y_i`` then loses at most ``2^-150`` per subnormal entry of ``coef_i X_i`` (``2^-134`` for
+    the last part of :func:`split_bf16`), so its error beyond float32 rounding is at most
+    ``2^-150 sqrt(n_X) 2^64 sqrt(T)`` in absolute terms (``2^-134`` instead of ``2^-150`` with bfloat16 products):
+    below ``1e-16`` (``1e-12``) for up to ``2^30`` numbers and positions per sample. Reads ``X`` twice (``amax``,
+    ``amin``), no temporary of its size; a NaN entry is not flagged (the sample's norm is NaN anyway)."""
+    B = X.shape[0]
+    flat = X.reshape(B, math.prod(X.shape[1:]))
+    if flat.shape[1] == 0:
+        return torch.zeros(B, dtype=torch.bool, device=X.device)
+    bound = NORM_RANGE / math.sqrt(max(width, 1))
+    return torch.maximum(flat.amax(1), flat.amin(1).neg()).float() >= bound
+
+
+def guard_contracted(sq: torch.Tensor, A: torch.Tensor, width: int, a_norms: torch.Tensor,
+                     G: torch.Tensor) -> torch.Tensor:
+    """:meth:`fastdp.layers.base.LayerKind.guard_contracted` for operands ``A`` (``(B, g, T, d)``, or a convolution's
+    input whose patches of ``width`` entries are its positions) and ``G`` ``(B, g, T, p)``; ``a_norms`` ``(B, g, T)``:
+    the norms of ``A``'s positions."""
+    sq = sq.masked_fill(beyond_norm_range(A, width) | beyond_norm_range(G, G.shape[-1]), math.inf)
+    g_norms = torch.linalg.vector_norm(G, dim=-1, dtype=torch.promote_types(G.dtype, torch.float32))
+    return guarded_instantiated_sq(sq, triangle_bound_sq(a_norms, g_norms))
