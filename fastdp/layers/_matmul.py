@@ -176,7 +176,8 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
     if len(aat) == 1:
         return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
     na, ng = strips_diagonal_norms(aat), strips_diagonal_norms(ggt)
-    err = strips_rounding(ggt, na, d) + strips_rounding(aat, ng, p)
+    red = _rounding.reduction_width(aat[0].dtype, A.shape[1] * A.shape[2] ** 2)  # the final sum's rounding
+    err = strips_rounding(ggt, na, d + red) + strips_rounding(aat, ng, p)
     return strips_inner(aat, ggt), err, _rounding.triangle_bound_sq(na, ng)
 
 
@@ -254,11 +255,11 @@ def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
     if len(P) == 1:
         return _factored.gram_inner(P[0], Q[0])
     total = None
-    for p, q in zip(P, Q, strict=True):
+    for p, q in zip(P, Q, strict=True):  # (each block's sum accumulated in float64: _factored.inner_sum)
         n = p.shape[2]
-        term = torch.linalg.vecdot(p[..., :n], q[..., :n], dim=-1).sum(dim=(1, 2))
+        term = _factored.inner_sum(p[..., :n], q[..., :n])
         if p.shape[3] > n:
-            term = term + 2.0 * torch.linalg.vecdot(p[..., n:], q[..., n:], dim=-1).sum(dim=(1, 2))
+            term = term + 2.0 * _factored.inner_sum(p[..., n:], q[..., n:])
         total = term if total is None else total + term
     return total
 

@@ -36,9 +36,11 @@ def inner_parts(u: Factors, v: Factors, dtype: torch.dtype) -> tuple[torch.Tenso
     gl, gr = _factored.gram(u.left, v.left, dtype), _factored.gram(u.right, v.right, dtype)
     err = torch.zeros(gl.shape[0], dtype=gl.dtype, device=gl.device)
     _, m, n = u.layout
+    red = reduction_width(gl.dtype, math.prod(gl.shape[1:]))  # the final sum's, charged to one dense Gram's term
     for other, a, b, width in ((gr, u.left, v.left, m), (gl, u.right, v.right, n)):  # each Gram against the other
         if not (isinstance(a, OneHot) or isinstance(b, OneHot)):
-            err = err + gram_rounding(other, position_norms(a, dtype), position_norms(b, dtype), width)
+            err = err + gram_rounding(other, position_norms(a, dtype), position_norms(b, dtype), width + red)
+            red = 0
     return _factored.gram_inner(gl, gr), err
 
 
@@ -65,8 +67,8 @@ def norm_bound(f: Factors, dtype: torch.dtype) -> torch.Tensor:
 #: sample's squared norm becomes ``max(sq_i, 0) + FLAGGED_INFLATION * err_i`` (at most the triangle bound
 #: ``(sum_t ||l_t|| ||r_t||)^2``, which no cancellation can exceed): never below the true one. Not flagged, the
 #: rounding is below ``1 / CANCELLATION_GUARD`` of ``sq_i``, so ``||C_i g_i|| <= sqrt(1 + 2^-6) R = 1.008 R`` at
-#: worst, whatever the summation order (to the rounding of the final sum over ``T^2`` products and of the
-#: contraction, both far smaller in practice).
+#: worst, whatever the summation order (the final sum over ``T^2`` products included: :func:`reduction_width`; to the
+#: rounding of the contraction, far smaller).
 CANCELLATION_GUARD = 2.0 ** 6
 #: how many rounding bounds a flagged sample's squared norm is raised by (:data:`CANCELLATION_GUARD`)
 FLAGGED_INFLATION = 2.0
@@ -81,6 +83,14 @@ def gram_rounding(other: torch.Tensor, norms_t: torch.Tensor, norms_s: torch.Ten
     u = torch.finfo(other.dtype).eps / 2
     quad = (torch.matmul(other.abs(), norms_s.unsqueeze(-1)).squeeze(-1) * norms_t).sum(dim=(1, 2))
     return quad * (u * max(width, 1))
+
+
+def reduction_width(dtype: torch.dtype, products: int) -> int:
+    """What the final sum of a ghost norm's ``products`` Gram products (:func:`fastdp.layers._factored.inner_sum`)
+    adds to a :func:`gram_rounding` width, charged against ``sum |K_ts L_ts| <= sum ||x_t|| ||x_s|| |L_ts|``: 2 for
+    float32 (or narrower) Grams (each product's rounding, and the float64 sum's, below one float32 roundoff up to
+    ``2^29`` products), ``products + 1`` for float64 Grams (a float64 sum in any order)."""
+    return products + 1 if dtype == torch.float64 else 2
 
 
 def guarded_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
@@ -100,10 +110,12 @@ def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int
     exact Gram, e.g. a token-equality mask)."""
     nk, nl = diagonal_norms(K), diagonal_norms(L)
     err = torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
+    red = reduction_width(K.dtype, math.prod(K.shape[1:]))  # the final sum's, charged to one Gram's term
     if width_k:
-        err = err + gram_rounding(L, nk, nk, width_k)
+        err = err + gram_rounding(L, nk, nk, width_k + red)
+        red = 0
     if width_l:
-        err = err + gram_rounding(K, nl, nl, width_l)
+        err = err + gram_rounding(K, nl, nl, width_l + red)
     return _factored.gram_inner(K, L), err, triangle_bound_sq(nk, nl)
 
 

@@ -252,3 +252,19 @@ def test_float64_one_register_sums_stay_within_R():
     for mode in MODES:
         model = nn.Embedding(32, d).double()
         assert _release_norm(model, lambda m: (m(tok) * G[None]).sum(), mode, true / 100) <= 1 + 1e-6, mode
+
+
+@pytest.mark.parametrize("T,P,tau,eta", [(1032, 16, 0.9, 2.0**-7), (1032, 16, 0.9, 2.0**-9.5),
+                                         (96, 8, 0.999, 2.0**-9.5), (96, 8, 0.999, 2.0**-7)])
+def test_the_final_sum_over_products_cannot_lose_a_cancellation(T, P, tau, eta):
+    # (red-team, third pass) Linear(1, 1), input 1: P output gradients 1, tinies tau u between, one -P (1 - eta) last.
+    # A float32 lane sum of the T^2 products swallowed the tinies after each 1 and released 1.02 R unflagged and
+    # 1.4 R flagged; the sum now accumulates in float64 and the bound charges its rounding (reduction_width)
+    c = torch.full((T,), tau * 2.0**-24)
+    c[:P] = 1.0
+    c[-1] = -(P * (1 - eta))
+    x, y = torch.ones(1, T, 1), c.view(1, T, 1)
+    true = abs(float(c.double().sum()))
+    for mode in ["BK-ghost", "ghost"]:
+        got = _release_norm(nn.Linear(1, 1, bias=False), lambda m: (m(x) * y).sum(), mode, true / 100)
+        assert got <= math.sqrt(1 + 2.0**-6), (mode, got)
