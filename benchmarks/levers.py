@@ -59,8 +59,9 @@ Levers:
   few samples at a time (``"patches"``).
 * ``conv-sum-measure``: the same against always the kernel (``"kernel"``).
 * ``cancellation-guard``: not a speed lever but the cost of a privacy fix. Each ghost norm also estimates its
-  rounding (``fastdp.layers._rounding.gram_rounding``: ``|L| ||a_t|| ||a_s||`` summed, one matrix-vector product per
-  Gram) and raises samples that rounding rules (``guarded_sq``); before: the inner product alone, nothing flagged.
+  rounding (``fastdp.layers._rounding.gram_rounding``: the Grams' Frobenius norms and the positions' norms) and raises
+  samples that rounding rules (``guarded_sq``); the final sum over ``T^2`` products accumulates in float64
+  (``_factored.inner_sum``) in both configurations; before: no bound, nothing flagged.
 * ``conv-per-sample-measure``: a convolution's per-sample gradients at ``T >= 256`` by the grouped kernel or from
   patches, whichever was faster when timed once per call shape (``fastdp.layers.kinds.conv.PER_SAMPLE_GRADS =
   "measure"``); before: always the grouped kernel.
@@ -119,6 +120,7 @@ from kernel_ops import _consecutive_runs, conv_ops_ab, gram_ops_ab, noise_ab, no
 import fastdp.clipped_sums
 import fastdp.layers._factored
 import fastdp.layers._matmul
+import fastdp.layers._rounding
 import fastdp.noise
 from fastdp.layers import _matmul
 from fastdp.layers.base import to_accumulation
@@ -249,10 +251,10 @@ def _conv_kept_rule_before() -> contextlib.AbstractContextManager:
 
 def _cancellation_guard_before() -> contextlib.AbstractContextManager:
     # the Gram inner product alone: no rounding estimate, nothing flagged (the position norms are still formed)
-    zero = lambda other, norms_t, norms_s, width: torch.zeros(other.shape[0], dtype=other.dtype,  # noqa: E731
-                                                                device=other.device)
-    return _patched([(fastdp.layers._factored, "gram_rounding", zero),
-                     (fastdp.layers._factored, "guarded_sq", lambda sq, err, bound: sq)])
+    zero = lambda fro, norms_t, norms_s, width: torch.zeros(fro.shape[0], dtype=fro.dtype,  # noqa: E731
+                                                              device=fro.device)
+    return _patched([(fastdp.layers._rounding, "gram_rounding", zero),
+                     (fastdp.layers._rounding, "guarded_sq", lambda sq, err, bound: sq)])
 
 
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {

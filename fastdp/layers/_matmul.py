@@ -177,7 +177,8 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
         return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
     na, ng = strips_diagonal_norms(aat), strips_diagonal_norms(ggt)
     red = _rounding.reduction_width(aat[0].dtype, A.shape[1] * A.shape[2] ** 2)  # the final sum's rounding
-    err = strips_rounding(ggt, na, d + red) + strips_rounding(aat, ng, p)
+    err = (_rounding.gram_rounding(strips_frobenius(ggt), na, na, d + red)
+           + _rounding.gram_rounding(strips_frobenius(aat), ng, ng, p))
     return strips_inner(aat, ggt), err, _rounding.triangle_bound_sq(na, ng)
 
 
@@ -264,20 +265,17 @@ def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def strips_rounding(other: list[torch.Tensor], norms: torch.Tensor, width: int) -> torch.Tensor:
-    """:func:`fastdp.layers._rounding.gram_rounding` of a symmetric Gram (its positions' norms ``norms``
-    ``(B, g, T)``, entries of ``width`` products) against the Gram ``other`` given in :func:`gram_strips`' strips:
-    each strip's leading block once, the rest twice (for its mirror image)."""
-    T = norms.shape[-1]
+def strips_frobenius(P: list[torch.Tensor]) -> torch.Tensor:
+    """``(B, g)``: the Frobenius norm of the symmetric Gram matrix that :func:`gram_strips` cut (each strip's leading
+    block once, the rest twice, for its mirror image)."""
     total = None
-    for q in other:
-        n, lo = q.shape[2], T - q.shape[3]
-        rows = norms[..., lo:lo + n]
-        term = _rounding.gram_rounding(q[..., :n], rows, rows, width)
+    for q in P:
+        n = q.shape[2]
+        sq = torch.linalg.vector_norm(q[..., :n], dim=(-2, -1)).square()
         if q.shape[3] > n:
-            term = term + 2.0 * _rounding.gram_rounding(q[..., n:], rows, norms[..., lo + n:], width)
-        total = term if total is None else total + term
-    return total
+            sq = sq + 2.0 * torch.linalg.vector_norm(q[..., n:], dim=(-2, -1)).square()
+        total = sq if total is None else total + sq
+    return total.sqrt()
 
 
 def strips_diagonal_norms(P: list[torch.Tensor]) -> torch.Tensor:

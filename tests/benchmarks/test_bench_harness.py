@@ -328,6 +328,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.clipped_sums
     import fastdp.layers._factored
     import fastdp.layers._matmul
+    import fastdp.layers._rounding
     import fastdp.noise
     from fastdp.layers.kinds import conv as conv_kind
     from fastdp.layers.kinds import groupnorm

@@ -116,7 +116,7 @@ def test_the_constructions_unclip_without_the_guard(case, monkeypatch):
     assert _worst(CASES[case], "BK-ghost") > 2
 
 
-@pytest.mark.parametrize("T,d", [(1024, 16), (512, 64), (2048, 768), (64, 768)])
+@pytest.mark.parametrize("T,d", [(1024, 16), (512, 64), (1024, 768), (64, 768)])
 def test_random_positions_are_not_flagged(T, d):
     # legitimate data: the rounding estimate is far below the flag, and the guarded norm is the exact one
     gen = torch.Generator().manual_seed(T)
