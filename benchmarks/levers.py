@@ -61,7 +61,7 @@ Levers:
 * ``cancellation-guard``: not a speed lever but the cost of a privacy fix. Each ghost norm also estimates its
   rounding (``fastdp.layers._rounding.gram_rounding``: the Grams' Frobenius norms and the positions' norms) and raises
   samples that rounding rules (``guarded_sq``); the final sum over ``T^2`` products accumulates in float64
-  (``_factored.inner_sum``) in both configurations; before: no bound, nothing flagged.
+  (``_factored.gram_inner``) in both configurations; before: no bound, nothing flagged.
 * ``conv-per-sample-measure``: a convolution's per-sample gradients at ``T >= 256`` by the grouped kernel or from
   patches, whichever was faster when timed once per call shape (``fastdp.layers.kinds.conv.PER_SAMPLE_GRADS =
   "measure"``); before: always the grouped kernel.

@@ -94,18 +94,13 @@ def inner(u: Factors, v: Factors, dtype: torch.dtype) -> torch.Tensor:
 
 
 def gram_inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``<a_i, b_i>`` per sample of two ``(B, ...)`` tensors of one shape (Gram matrices), shape ``(B,)``: the products
-    in ``a``'s dtype, their sum accumulated in float64 (:func:`inner_sum`)."""
-    return inner_sum(a, b)
-
-
-def inner_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(a_i * b_i)`` over all but the first dimension, shape ``(B,)``, in ``a``'s dtype, the sum accumulated in
-    float64. A ghost norm's final sum over ``T^2`` products is where a sample's cancellation shows: summed in float32
-    lanes (``torch.linalg.vecdot``), a red-team construction lost 15 products of ``u`` times a lane's first one in
-    every lane and released 1.4 R past the rounding guard (fastdp/layers/_rounding.py). In float64 a float32 sum of up
-    to ``2^29`` products loses less than one float32 roundoff of ``sum |a_i b_i|``. (A batched ``(1 x n) @ (n x 1)``
-    product, ``bmm``, is a matrix-vector shape that CPU BLAS ran about 50 times slower: benchmarks/levers.py.)"""
+    """``<a_i, b_i>`` per sample of two ``(B, ...)`` tensors of one shape (Gram matrices, or blocks of them), shape
+    ``(B,)``: the products in ``a``'s dtype, their sum accumulated in float64. A ghost norm's final sum over ``T^2``
+    products is where a sample's cancellation shows: summed in float32 lanes (``torch.linalg.vecdot``), a red-team
+    construction lost 15 products of ``u`` times a lane's first one in every lane and released 1.4 R past the
+    rounding guard (fastdp/layers/_rounding.py). In float64 a float32 sum of up to ``2^29`` products loses less than
+    one float32 roundoff of ``sum |a_i b_i|``. (A batched ``(1 x n) @ (n x 1)`` product, ``bmm``, is a
+    matrix-vector shape that CPU BLAS ran about 50 times slower: benchmarks/levers.py.)"""
     dims = tuple(range(1, a.dim()))
     if not dims:
         return a * b

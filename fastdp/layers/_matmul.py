@@ -256,11 +256,11 @@ def strips_inner(P: list[torch.Tensor], Q: list[torch.Tensor]) -> torch.Tensor:
     if len(P) == 1:
         return _factored.gram_inner(P[0], Q[0])
     total = None
-    for p, q in zip(P, Q, strict=True):  # (each block's sum accumulated in float64: _factored.inner_sum)
+    for p, q in zip(P, Q, strict=True):  # (each block's sum accumulated in float64: _factored.gram_inner)
         n = p.shape[2]
-        term = _factored.inner_sum(p[..., :n], q[..., :n])
+        term = _factored.gram_inner(p[..., :n], q[..., :n])
         if p.shape[3] > n:
-            term = term + 2.0 * _factored.inner_sum(p[..., n:], q[..., n:])
+            term = term + 2.0 * _factored.gram_inner(p[..., n:], q[..., n:])
         total = term if total is None else total + term
     return total
 

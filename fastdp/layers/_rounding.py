@@ -94,7 +94,7 @@ def frobenius(gram: torch.Tensor) -> torch.Tensor:
 
 
 def reduction_width(dtype: torch.dtype, products: int) -> int:
-    """What the final sum of a ghost norm's ``products`` Gram products (:func:`fastdp.layers._factored.inner_sum`)
+    """What the final sum of a ghost norm's ``products`` Gram products (:func:`fastdp.layers._factored.gram_inner`)
     adds to a :func:`gram_rounding` width, charged against ``sum |K_ts L_ts| <= sum ||x_t|| ||x_s|| |L_ts|``: 2 for
     float32 (or narrower) Grams (each product's rounding, and the float64 sum's, below one float32 roundoff up to
     ``2^29`` products), ``products + 1`` for float64 Grams (a float64 sum in any order)."""

@@ -189,9 +189,9 @@ class LayerKind:
         """``sq`` ``(B,)``, the squared norms of instantiated per-sample gradients of ``name``, made safe for a clipped
         sum that contracts the operands instead of summing those gradients (``BK-MixGhostClip``'s instantiated
         layers): infinite for a sample whose operands leave the range the clipping stage can bound
-        (:func:`fastdp.layers._rounding.beyond_norm_range`: a ghost norm's Gram would overflow there), and the triangle
-        bound where the gradient cancels so far that the contraction's rounding may exceed it
-        (:func:`fastdp.layers._rounding.guarded_instantiated_sq`). This default: ``sq`` as it is (a kind whose
+        (:func:`fastdp.layers._rounding.beyond_norm_range`: a ghost norm's Gram would overflow there), and at least
+        ``2^12 u`` times the triangle bound where the gradient cancels so far that the contraction's rounding may
+        exceed it (:func:`fastdp.layers._rounding.guarded_instantiated_sq`). This default: ``sq`` as it is (a kind whose
         clipped sum is ``sum_i coef_i g_i`` of :meth:`per_sample_grad` itself, exact to rounding at any magnitude)."""
         return sq
 

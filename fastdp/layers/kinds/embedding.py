@@ -103,7 +103,7 @@ class EmbeddingKind(LayerKind):
 
     def guard_contracted(self, module: nn.Module, ctx: Any, name: str, sq: torch.Tensor) -> torch.Tensor:
         # rows of one token whose gradients cancel: the sum's rounding (index_add_ of coef_i G_t) is not the
-        # instantiation's (scatter_add_ of G_t); the triangle bound sum_t ||G_t|| where it could rule
+        # instantiation's (scatter_add_ of G_t): the norm at least 2^12 u sum_t ||G_t||, which covers the difference
         ids, G = ctx
         bound = _rounding.triangle_bound_sq(torch.linalg.vector_norm(G, dim=-1).unsqueeze(1), 1.0)
         return _rounding.guarded_instantiated_sq(sq, bound)
