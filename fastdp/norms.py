@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp.layers import _rounding
+from fastdp.layers import _factored, _rounding
 from fastdp.layers.base import LayerKind, accumulation_dtype
 from fastdp.modes import ClippingMode
 from fastdp.records import Record
@@ -163,4 +163,5 @@ def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode) -> torch
         bound = b if bound is None else bound + b
     # uses whose gradients cancel (a tied weight's) or positions within one: the guard on the total, whose rounding
     # is that of every Gram of every pair; the triangle bound sum_u ||g_i^u|| caps what a flagged sample gets
-    return _rounding.guarded_sq(total, err, bound.square())
+    return _rounding.refined_sq(total, err, bound.square(),
+                                lambda index: [_factored.select(f, index) for f in facs])

@@ -59,6 +59,11 @@ class Factors:
         return _positions(self.left)
 
 
+def select(f: Factors, index: torch.Tensor) -> Factors:
+    """The factored gradients of the samples ``index`` ``(k,)`` only: both sides indexed along the batch."""
+    return Factors(*(OneHot(s.ids[index], s.size) if isinstance(s, OneHot) else s[index] for s in (f.left, f.right)))
+
+
 def _groups(s: Side) -> int:
     return s.ids.shape[1] if isinstance(s, OneHot) else s.shape[1]
 

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fastdp.layers import _rounding
+from fastdp.layers import _factored, _rounding
 from fastdp.layers._factored import Factors
 from fastdp.layers.spec import DocRow, OracleCase, Refusal
 from fastdp.torch_api import ieee_float32
@@ -167,8 +167,17 @@ class LayerKind:
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``: :meth:`ghost_norm_parts` guarded
-        where rounding rules it (:func:`fastdp.layers._rounding.guarded_sq`)."""
-        return _rounding.guarded_sq(*self.ghost_norm_parts(module, ctx, name))
+        where rounding rules it (:func:`fastdp.layers._rounding.guarded_sq`; flagged samples' norms taken again
+        exactly where that costs no host synchronisation, :func:`fastdp.layers._rounding.refined_sq`)."""
+        return _rounding.refined_sq(*self.ghost_norm_parts(module, ctx, name),
+                                    lambda index: self.sample_factors(module, ctx, name, index))
+
+    def sample_factors(self, module: nn.Module, ctx: Any, name: str, index: torch.Tensor) -> list[Factors] | None:
+        """:meth:`factors` of the samples ``index`` ``(k,)`` only, as the one-use list
+        :func:`fastdp.layers._rounding.refined_sq` takes (``None``: no factored form). Kinds whose :meth:`factors`
+        builds something for the whole batch (a convolution's patches) override it to build only these samples'."""
+        f = self.factors(module, ctx, name)
+        return None if f is None or f.right is None or f.left is None else [_factored.select(f, index)]
 
     def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

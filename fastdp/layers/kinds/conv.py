@@ -129,6 +129,12 @@ class ConvKind(_matmul.OuterProductKind):
             return parts[0]
         return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
+    def sample_factors(self, module: nn.Module, ctx: Any, name: str, index: torch.Tensor) -> list[Factors] | None:
+        if name == "bias":
+            return super().sample_factors(module, _bias_ctx(ctx), name, index)
+        call: ConvCall = ctx  # only these samples' patches (:meth:`factors` unfolds the whole batch)
+        return [Factors(call.G[index], torch.cat([call.patches(i, i + 1) for i in index.tolist()]))]
+
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         if name == "bias":
             return super().per_sample_grad(module, _bias_ctx(ctx), name)
