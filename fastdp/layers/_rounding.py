@@ -13,8 +13,9 @@ floating point agrees to rounding *relative to the terms*, which is not enough i
 
 Each guard flags what it cannot bound and gives such a sample a norm that no rounding can undercut (infinite, i.e.
 non-finite; raised by the rounding bound; at most the triangle bound ``sum_t ||l_t|| ||r_t||``), with no host
-synchronisation. docs/internals/clipping.md ("Gradients that cancel") has the red-team constructions each guard
-answers and what they leave.
+synchronisation. On the CPU, where a host read is free, flagged ghost norms are then taken again exactly in float64
+(:func:`refined_sq`), so legitimate gradients that cancel are not over-clipped. docs/internals/clipping.md
+("Gradients that cancel") has the red-team constructions each guard answers and what they leave.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fastdp import deferred
 from fastdp.layers import _factored
 from fastdp.layers._factored import Factors, OneHot, Side
 
@@ -112,11 +114,6 @@ def guarded_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor) -> t
     return torch.where(flagged, raised, sq)
 
 
-#: device types on which a flagged sample's norm is taken again, exactly, in float64 from its factors
-#: (:func:`refined_sq`). Elsewhere (CUDA) a flagged sample keeps :func:`guarded_sq`'s raised norm, over-clipped but
-#: without the host synchronisation that finding the flagged samples would take.
-REFINE_DEVICES = frozenset({"cpu"})
-
 #: how far below the triangle bound ``sum_t ||l_t|| ||r_t||`` a refined norm may go, in unit roundoffs of the
 #: contraction's dtype: the floor :func:`guarded_instantiated_sq` applies, for the same reason (an exact norm far below
 #: the terms lets the contraction's own rounding of them rule the release)
@@ -125,7 +122,7 @@ CONTRACTION_FLOOR = 2.0 ** 12
 
 def refined_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
                factors_of: Callable[[torch.Tensor], Sequence[Factors] | None]) -> torch.Tensor:
-    """:func:`guarded_sq` ``(B,)``, with each flagged sample's norm taken again exactly (on :data:`REFINE_DEVICES`).
+    """:func:`guarded_sq` ``(B,)``, with each flagged sample's norm taken again exactly where a host read is free.
 
     The guard raises a flagged sample's norm by twice the worst-case bound of its rounding, which over-clips a
     legitimate gradient that cancels far below its terms: a key projection whose inputs share a large offset (output
@@ -135,9 +132,11 @@ def refined_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
     ``CONTRACTION_FLOOR u`` times the triangle bound (``u`` the float32 unit roundoff, as :func:`guard_contracted`
     does). ``factors_of(index)`` gives the parameter's uses restricted to the samples ``index`` ``(k,)`` (one entry
     for an unshared parameter), or ``None`` to keep the raised norm. One host read of the flags per call, only on
-    devices where it costs nothing; a sample whose ``err`` or bound is not finite keeps the raised norm."""
+    device types whose checks do not wait for the release (:func:`fastdp.deferred.defers`: the CPU, where a read costs
+    nothing); elsewhere (CUDA) a flagged sample keeps the raised norm, over-clipped but with no host synchronisation
+    in the backward pass. A sample whose ``err`` or bound is not finite keeps the raised norm too."""
     guarded = guarded_sq(sq, err, bound_sq)
-    if sq.device.type not in REFINE_DEVICES or sq.dtype == torch.float64 or sq.numel() == 0:
+    if deferred.defers(sq.device) or sq.dtype == torch.float64 or sq.numel() == 0:
         return guarded
     flagged = (sq < CANCELLATION_GUARD * err) & err.isfinite() & bound_sq.isfinite()
     if not bool(flagged.any()):

@@ -18,6 +18,7 @@ import torch
 from oracle import make_engine
 from torch import nn
 
+from fastdp import deferred
 from fastdp.layers import _matmul, _rounding, registry
 
 MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
@@ -29,7 +30,7 @@ def flagged_norms(request, monkeypatch) -> str:
     """Both ways a flagged sample gets its norm: taken again exactly (the CPU's) or raised by the rounding bound
     (CUDA's, where finding the flagged samples would synchronise with the host)."""
     if request.param == "raised":
-        monkeypatch.setattr(_rounding, "REFINE_DEVICES", frozenset())
+        monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": True, "default": True})
     return request.param
 
 

@@ -121,6 +121,24 @@ def test_no_host_read_inside_the_backward_pass(name, mode, kw, monkeypatch):
     assert engine.steps == 3
 
 
+@pytest.mark.parametrize("defer", [True, False])
+def test_flagged_ghost_norms_are_taken_again_only_where_a_host_read_is_free(defer, monkeypatch):
+    """Samples the cancellation guard flags (inputs with a large common offset, output gradients summing to 0 over
+    positions) get exact norms by finding them on the host (``_rounding.refined_sq``): on the CPU only, never where
+    checks are deferred (CUDA), where they keep the raised norm."""
+    monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": defer, "default": defer})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 256, generator=g) + 40
+    y = torch.randn(2, 64, 64, generator=g)
+    model = nn.Linear(256, 64, bias=False)
+    engine = make_engine(model, batch_size=2, R=1e-3, sigma=1.0, mode="BK-ghost")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.01))
+    loss = (model(x) * (y - y.mean(1, keepdim=True))).sum()
+    with fastdp_host_reads() as hits:
+        loss.backward()
+    assert any(f.startswith("layers/_rounding.py") for _, f in hits) == (not defer), hits
+
+
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "ghost", "instantiate"])
 def test_the_zero_policy_zeroes_a_bad_sample_without_a_host_read(mode, monkeypatch):
     """on_nonfinite="zero" on an accelerator: a sample with NaN gradients gets factor 0 and zeroed rows with no host
