@@ -588,7 +588,7 @@ def test_cancellation_accuracy_runs_and_refined_norms_are_exact(tmp_path):
     as close to ``instantiate`` as float32 allows, raised, param-wise clipping loses a large part of it."""
     import cancellation_accuracy
 
-    cancellation_accuracy.main(["--cases", "32,40", "--json", str(tmp_path / "a.json")])
+    cancellation_accuracy.main(["--cases", "32,40", "--width", "256", "--json", str(tmp_path / "a.json")])
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert len(rows) == 8 and all(r["flagged_sample_layers"] > 0 for r in rows)
     assert max(r["worst_rel_err"] for r in rows if r["flagged_norms"] == "refined") < 1e-5
