@@ -1,6 +1,6 @@
-"""What the cancellation guard costs in accuracy on legitimate gradients that cancel, with flagged samples taken
-again exactly (the CPU's :func:`fastdp.layers._rounding.refined_sq`) and raised by the rounding bound (CUDA's)
-(``python benchmarks/cancellation_accuracy.py``).
+"""What the cancellation guard costs in accuracy on legitimate gradients that cancel, with flagged samples
+instantiated and summed apart from the contraction (the CPU's :func:`fastdp.layers._rounding.exact_flagged`) and with
+their norms raised by the rounding bound (CUDA's) (``python benchmarks/cancellation_accuracy.py``).
 
 A one-block causal language model built from torch layers (width 768, 12 heads, untied 1000-token embedding) whose
 embeddings share a large common offset, as trained ones do; three non-private SGD steps first. A key projection's
@@ -101,13 +101,13 @@ def measure(T: int, offset: float, refine: bool, width: int = 768) -> list[dict]
         per_sample_loss(model, tok).mean().backward()
         opt.step()
     flagged = [0]
-    original, defer_on = _rounding.refined_sq, deferred.DEFER_ON
+    original, defer_on = _rounding.exact_flagged, deferred.DEFER_ON
 
-    def counting(sq, err, bound_sq, factors_of):
+    def counting(sq, err, bound_sq, factors_of, shape):
         flagged[0] += int((sq < _rounding.CANCELLATION_GUARD * err).sum())
-        return original(sq, err, bound_sq, factors_of)
+        return original(sq, err, bound_sq, factors_of, shape)
 
-    _rounding.refined_sq = counting
+    _rounding.exact_flagged = counting
     if not refine:  # as on CUDA, where the engine reads nothing on the host in the backward pass
         deferred.DEFER_ON = {"cpu": True, "default": True}
     rows = []
@@ -118,11 +118,11 @@ def measure(T: int, offset: float, refine: bool, width: int = 768) -> list[dict]
                 flagged[0] = 0
                 got = release(model, tok, mode, style, 1e-6)
                 worst = max((float((got[n] - ref[n]).norm() / ref[n].norm()), n) for n in ref)
-                rows.append({"T": T, "offset": offset, "flagged_norms": "refined" if refine else "raised",
+                rows.append({"T": T, "offset": offset, "flagged_norms": "exact" if refine else "raised",
                              "style": style, "mode": mode, "flagged_sample_layers": flagged[0],
                              "worst_rel_err": worst[0], "worst_param": worst[1]})
     finally:
-        _rounding.refined_sq, deferred.DEFER_ON = original, defer_on
+        _rounding.exact_flagged, deferred.DEFER_ON = original, defer_on
     return rows
 
 

@@ -30,7 +30,9 @@ from torch.func import functional_call
 
 from fastdp.clipping import ClipFn
 from fastdp.deferred import DeferredCheck, defers
+from fastdp.layers import _rounding
 from fastdp.layers._matmul import reused_scratch, shared_input_grams, shared_rounding
+from fastdp.layers._rounding import Exact
 from fastdp.layers.base import accumulation_dtype, to_accumulation
 from fastdp.modes import ClippingMode
 from fastdp.norms import batch_size_of, norm_sq, per_sample_grad, shared_norm_sq, use_ghost
@@ -210,17 +212,24 @@ def _drop_kept(rec: Record) -> None:
 
 
 def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMode
-           ) -> tuple[dict[nn.Parameter, torch.Tensor], dict[nn.Parameter, torch.Tensor], dict[int, str]]:
+           ) -> tuple[dict[nn.Parameter, torch.Tensor], dict[nn.Parameter, torch.Tensor], dict[int, str],
+                      dict[nn.Parameter, Exact]]:
     """Step 1: ``||g_i||^2`` per parameter (``sq_of``), the instantiated per-sample gradients kept for step 3
-    (``kept``) and how each norm was formed (``how``, by ``id(param)``)."""
+    (``kept``), how each norm was formed (``how``, by ``id(param)``) and the samples of a ghost norm that rounding
+    rules, taken out of the contraction (``exact``: :func:`fastdp.layers._rounding.exact_flagged`; in the replay
+    mode such a parameter's sum is the contraction too)."""
     sq_of: dict[nn.Parameter, torch.Tensor] = {}
     kept: dict[nn.Parameter, torch.Tensor] = {}  # instantiated per-sample gradients kept for step 3
     how: dict[int, str] = {}
+    exact: dict[nn.Parameter, Exact] = {}
     for param, plist in uses.items():
+        shape = tuple(param.shape)
         if len(plist) > 1:  # shared parameter: norm of the per-sample sum over uses
-            sq = shared_norm_sq(plist, mode)
-            if sq is not None:
-                sq_of[param] = sq
+            got = shared_norm_sq(plist, mode, shape)
+            if got is not None:
+                sq_of[param], ex = got
+                if ex is not None:
+                    exact[param] = ex
                 how[id(param)] = "ghost (shared)"
                 continue
             total = sum(per_sample_grad(r, n) for r, n in plist)
@@ -231,7 +240,13 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
         rec, name = plist[0]
         kind, module = rec.kind, rec.module
         if rec.psg is None and use_ghost(kind, module, rec.ctx, name, mode, rec.readers[0]):
-            sq_of[param] = kind.ghost_norm_sq(module, rec.ctx, name)
+            ctx = rec.ctx
+            sq_of[param], ex = _rounding.exact_flagged(
+                *kind.ghost_norm_parts(module, ctx, name),
+                lambda index, kind=kind, module=module, ctx=ctx, name=name: kind.sample_factors(
+                    module, ctx, name, index), shape)
+            if ex is not None:
+                exact[param] = ex
             how[id(param)] = "ghost"
         else:
             how[id(param)] = "instantiated" if kind.replayable else "generic"
@@ -241,7 +256,7 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
                 kept[param] = psg
             else:  # the sum will contract the operands: guarded as a ghost norm is (range, cancellation)
                 sq_of[param] = kind.guard_contracted(module, rec.ctx, name, sq_of[param])
-    return sq_of, kept, how
+    return sq_of, kept, how, exact
 
 
 def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Parameter],
@@ -262,7 +277,7 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
                 uses.setdefault(param_of[(id(rec.module), name)], []).append((rec, name))
 
     with shared_input_grams():  # q, k, v of one block: one input Gram
-        sq_of, kept, how = _norms(uses, mode)
+        sq_of, kept, how, exact = _norms(uses, mode)
 
     # Step 2: per-group norms and factors.
     group_sq: dict[int, torch.Tensor] = {}
@@ -337,14 +352,18 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
                 psg = kept.pop(param)
                 out[param] = _weighted_sum(coef, psg if zero is None else _zero_rows(psg, zero))
                 del psg
-            elif mode.sums == "replay":
+            elif mode.sums == "replay" and param not in exact:  # (with samples taken apart: the contraction)
                 for rec, name in plist:
                     replay.setdefault(rec, []).append(name)
                 continue
             else:  # book-keeping: one contraction per use, summed over uses
+                ex = exact.pop(param, None)  # samples taken apart: out of the contraction, their gradients summed
                 for rec, name in plist:
                     ready(rec)
-                    _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, coef))
+                    c = coef if ex is None else coef.index_fill(0, ex.index, 0)
+                    _add(out, param, rec.kind.clipped_sum(rec.module, rec.ctx, name, c))
+                if ex is not None:
+                    _add(out, param, _weighted_sum(coef[ex.index], ex.grads).reshape(out[param].shape))
             for rec, _ in plist:
                 uses_left[rec] -= 1
                 if not uses_left[rec]:

@@ -11,12 +11,14 @@ that every record of a pass saw the same batch size.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fastdp.layers import _factored, _rounding
+from fastdp.layers._rounding import Exact
 from fastdp.layers.base import LayerKind, accumulation_dtype
 from fastdp.modes import ClippingMode
 from fastdp.records import Record
@@ -131,8 +133,11 @@ def _row_length(shape: tuple[int, ...] | torch.Size, n: int) -> int | None:
     return 1024 if n % 1024 == 0 else None
 
 
-def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode) -> torch.Tensor | None:
-    """``||sum_u g_i^u||^2`` of a parameter used by several calls, by Gram matrices (``None``: instantiate).
+def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode, shape: Sequence[int] | None
+                   ) -> tuple[torch.Tensor, Exact | None] | None:
+    """``||sum_u g_i^u||^2`` of a parameter of ``shape`` used by several calls, by Gram matrices (``None``:
+    instantiate), and the samples taken apart where rounding rules it
+    (:func:`fastdp.layers._rounding.exact_flagged`; ``shape`` ``None``: none taken apart).
 
     ``sum_u ||g^u||^2 + 2 sum_{u<v} <g^u, g^v>``, every term in its ghost form (:mod:`fastdp.layers._factored`).
     Chosen in the ghost modes and, in the mixed modes, when ``2 (sum_u T_u)^2 < g m n`` (the single-layer rule with
@@ -163,5 +168,5 @@ def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode) -> torch
         bound = b if bound is None else bound + b
     # uses whose gradients cancel (a tied weight's) or positions within one: the guard on the total, whose rounding
     # is that of every Gram of every pair; the triangle bound sum_u ||g_i^u|| caps what a flagged sample gets
-    return _rounding.refined_sq(total, err, bound.square(),
-                                lambda index: [_factored.select(f, index) for f in facs])
+    return _rounding.exact_flagged(total, err, bound.square(),
+                                   lambda index: [_factored.select(f, index) for f in facs], shape)

@@ -59,6 +59,20 @@ class Factors:
         return _positions(self.left)
 
 
+def instantiate(f: Factors, dtype: torch.dtype) -> torch.Tensor:
+    """``g_i[j] = sum_t left[i, j, t] (x) right[i, j, t]``, ``(B, g, m, n)``, in ``dtype`` (a one-hot side by a
+    scatter of the other side's rows: its ``size`` rows, so only for the few samples it is asked for)."""
+    if isinstance(f.left, OneHot) and isinstance(f.right, OneHot):
+        raise ValueError("a gradient with two one-hot factors has no dense form here")
+    if isinstance(f.right, OneHot):
+        return instantiate(Factors(f.right, f.left), dtype).transpose(-1, -2)
+    if isinstance(f.left, OneHot):
+        ids, rows = f.left.ids, f.right.to(dtype)
+        out = rows.new_zeros(*ids.shape[:2], f.left.size, rows.shape[-1])
+        return out.scatter_add_(2, ids.unsqueeze(-1).expand(*ids.shape, rows.shape[-1]), rows)
+    return torch.einsum("bgtm,bgtn->bgmn", f.left.to(dtype), f.right.to(dtype))
+
+
 def select(f: Factors, index: torch.Tensor) -> Factors:
     """The factored gradients of the samples ``index`` ``(k,)`` only: both sides indexed along the batch."""
     return Factors(*(OneHot(s.ids[index], s.size) if isinstance(s, OneHot) else s[index] for s in (f.left, f.right)))

@@ -155,9 +155,8 @@ def ghost_norm_sq(A: torch.Tensor, G: torch.Tensor, share: bool = True,
                   narrow: torch.dtype | None = None) -> torch.Tensor:
     """``||G_i^T A_i||_F^2`` summed over groups, shape ``(B,)``, from Gram matrices in strips
     (:func:`gram_strips`, :func:`strips_inner`), guarded against rounding where the gradient cancels across positions
-    (:func:`fastdp.layers._rounding.refined_sq` of :func:`ghost_norm_parts`)."""
-    return _rounding.refined_sq(*ghost_norm_parts(A, G, share, narrow),
-                                lambda index: [Factors(to_accumulation(G[index]), to_accumulation(A[index]))])
+    (:func:`fastdp.layers._rounding.guarded_sq` of :func:`ghost_norm_parts`)."""
+    return _rounding.guarded_sq(*ghost_norm_parts(A, G, share, narrow))
 
 
 def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narrow: torch.dtype | None = None

@@ -13,15 +13,17 @@ floating point agrees to rounding *relative to the terms*, which is not enough i
 
 Each guard flags what it cannot bound and gives such a sample a norm that no rounding can undercut (infinite, i.e.
 non-finite; raised by the rounding bound; at most the triangle bound ``sum_t ||l_t|| ||r_t||``), with no host
-synchronisation. On the CPU, where a host read is free, flagged ghost norms are then taken again exactly in float64
-(:func:`refined_sq`), so legitimate gradients that cancel are not over-clipped. docs/internals/clipping.md
-("Gradients that cancel") has the red-team constructions each guard answers and what they leave.
+synchronisation. On the CPU, where a host read is free, the samples a ghost norm flags are then instantiated and
+summed apart from the contraction (:func:`exact_flagged`), so legitimate gradients that cancel are not over-clipped.
+docs/internals/clipping.md ("Gradients that cancel") has the red-team constructions each guard answers and what they
+leave.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -114,57 +116,59 @@ def guarded_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor) -> t
     return torch.where(flagged, raised, sq)
 
 
-#: how far below the triangle bound ``sum_t ||l_t|| ||r_t||`` a refined norm may go, in unit roundoffs of the
-#: contraction's dtype: the floor :func:`guarded_instantiated_sq` applies, for the same reason (an exact norm far below
-#: the terms lets the contraction's own rounding of them rule the release)
-CONTRACTION_FLOOR = 2.0 ** 12
+#: the most numbers :func:`exact_flagged` instantiates for one parameter's flagged samples (their count times the
+#: parameter's size); beyond it (an embedding table, many flagged samples) they keep the raised norm
+EXACT_MAX_NUMBERS = 1 << 24
 
 
-def refined_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
-               factors_of: Callable[[torch.Tensor], Sequence[Factors] | None]) -> torch.Tensor:
-    """:func:`guarded_sq` ``(B,)``, with each flagged sample's norm taken again exactly where a host read is free.
+@dataclass(frozen=True)
+class Exact:
+    """Samples taken out of a parameter's book-keeping contraction (:func:`exact_flagged`): their positions in the
+    batch ``index`` ``(k,)`` and their per-sample gradients ``grads`` ``(k, *param.shape)``, which the clipped sum
+    adds as ``sum_k coef[index_k] grads_k``."""
+
+    index: torch.Tensor
+    grads: torch.Tensor
+
+
+def exact_flagged(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
+                  factors_of: Callable[[torch.Tensor], Sequence[Factors] | None], shape: Sequence[int] | None
+                  ) -> tuple[torch.Tensor, Exact | None]:
+    """:func:`guarded_sq` ``(B,)``, and each flagged sample's gradient instantiated, where a host read is free.
 
     The guard raises a flagged sample's norm by twice the worst-case bound of its rounding, which over-clips a
     legitimate gradient that cancels far below its terms: a key projection whose inputs share a large offset (output
-    gradients summing to 0 over positions) lost 9-49 % of its release under param-wise clipping. Here the flagged
-    samples' norms are formed again from their factors in float64 (Grams of float32 or narrower operands: every
-    product exact, ``2^29`` times less rounding), guarded by the same rule in float64, and floored at
-    ``CONTRACTION_FLOOR u`` times the triangle bound (``u`` the float32 unit roundoff, as :func:`guard_contracted`
-    does). ``factors_of(index)`` gives the parameter's uses restricted to the samples ``index`` ``(k,)`` (one entry
-    for an unshared parameter), or ``None`` to keep the raised norm. One host read of the flags per call, only on
-    device types whose checks do not wait for the release (:func:`fastdp.deferred.defers`: the CPU, where a read costs
-    nothing); elsewhere (CUDA) a flagged sample keeps the raised norm, over-clipped but with no host synchronisation
-    in the backward pass. A sample whose ``err`` or bound is not finite keeps the raised norm too."""
+    gradients summing to 0 over positions) lost 25-65 % of its release under param-wise clipping. Its exact norm
+    alone would not do: the book-keeping contraction rounds the sample's terms too, by up to about ``n u sum_t ||l_t||
+    ||r_t||`` where BLAS sums ``n`` positions one after another (a red-team construction released 1.44 R with an
+    exact norm floored at ``2^-12`` of the terms). So the flagged samples ``index`` ``(k,)`` are taken out of the
+    contraction: their gradients ``g_i = sum_t l_t r_t^T`` are formed in float64 from their factors (every product
+    of float32 or narrower operands exact) and rounded once to ``sq``'s dtype, ``grads`` ``(k, *shape)``; the norm
+    is that of ``grads`` and the clipped sum adds ``coef_i grads_i`` itself (fastdp/clipped_sums.py), so norm and sum
+    agree at any cancellation, as kept instantiated gradients do.
+
+    Returns ``(sq, Exact(index, grads))``, or ``(guarded, None)`` where nothing is flagged or the exact path does
+    not apply: ``shape`` ``None`` (a clipped sum that cannot leave samples out, e.g. a replayed backward), device
+    types whose checks wait for the release (:func:`fastdp.deferred.defers`: CUDA, where finding the flagged samples
+    would synchronise with the host in the backward pass), where ``factors_of(index)`` (the parameter's uses
+    restricted to the samples ``index``) gives ``None``, or beyond :data:`EXACT_MAX_NUMBERS`. A sample whose ``err``
+    or bound is not finite keeps the raised norm."""
     guarded = guarded_sq(sq, err, bound_sq)
-    if deferred.defers(sq.device) or sq.dtype == torch.float64 or sq.numel() == 0:
-        return guarded
+    if shape is None or deferred.defers(sq.device) or sq.numel() == 0:
+        return guarded, None
     flagged = (sq < CANCELLATION_GUARD * err) & err.isfinite() & bound_sq.isfinite()
     if not bool(flagged.any()):
-        return guarded
+        return guarded, None
     index = flagged.nonzero().squeeze(1)
+    if index.numel() * math.prod(shape) > EXACT_MAX_NUMBERS:
+        return guarded, None
     uses = factors_of(index)
     if uses is None:
-        return guarded
-    exact = guarded_sq(*total_parts(uses, torch.float64))
-    u = torch.finfo(torch.promote_types(sq.dtype, torch.float32)).eps / 2
-    floor = (CONTRACTION_FLOOR * u) ** 2 * bound_sq[index].double()
-    return guarded.index_put((index,), torch.maximum(exact, floor).to(guarded.dtype))
-
-
-def total_parts(uses: Sequence[Factors], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sq, err, bound_sq)`` ``(B,)`` each, for :func:`guarded_sq`, of ``||sum_u g^u||^2`` from the factors of
-    every use, in ``dtype``: ``sum_{u,v} <g^u, g^v>`` by Gram matrices (:func:`inner_parts`, cross terms twice),
-    their rounding summed, and the square of ``sum_u`` of each use's triangle bound."""
-    total = err = bound = None
-    for k, fu in enumerate(uses):
-        term, term_err = inner_parts(fu, fu, dtype)
-        for fv in uses[k + 1:]:
-            cross, cross_err = inner_parts(fu, fv, dtype)
-            term, term_err = term + 2.0 * cross, term_err + 2.0 * cross_err
-        b = norm_bound(fu, dtype)
-        total, err, bound = ((term, term_err, b) if total is None
-                             else (total + term, err + term_err, bound + b))
-    return total, err, bound.square()
+        return guarded, None
+    wide = torch.promote_types(sq.dtype, torch.float64)
+    grads = sum(_factored.instantiate(f, wide) for f in uses).to(sq.dtype).reshape(index.numel(), *shape)
+    exact = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=wide).square().to(sq.dtype)
+    return guarded.index_put((index,), exact), Exact(index, grads)
 
 
 def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int

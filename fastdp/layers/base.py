@@ -167,14 +167,13 @@ class LayerKind:
 
     def ghost_norm_sq(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:
         """``||g_i||^2`` for each sample, shape ``(B,)``, without forming ``g_i``: :meth:`ghost_norm_parts` guarded
-        where rounding rules it (:func:`fastdp.layers._rounding.guarded_sq`; flagged samples' norms taken again
-        exactly where that costs no host synchronisation, :func:`fastdp.layers._rounding.refined_sq`)."""
-        return _rounding.refined_sq(*self.ghost_norm_parts(module, ctx, name),
-                                    lambda index: self.sample_factors(module, ctx, name, index))
+        where rounding rules it (:func:`fastdp.layers._rounding.guarded_sq`; the clipping stage takes the flagged
+        samples apart where that costs no host synchronisation, :func:`fastdp.layers._rounding.exact_flagged`)."""
+        return _rounding.guarded_sq(*self.ghost_norm_parts(module, ctx, name))
 
     def sample_factors(self, module: nn.Module, ctx: Any, name: str, index: torch.Tensor) -> list[Factors] | None:
         """:meth:`factors` of the samples ``index`` ``(k,)`` only, as the one-use list
-        :func:`fastdp.layers._rounding.refined_sq` takes (``None``: no factored form). Kinds whose :meth:`factors`
+        :func:`fastdp.layers._rounding.exact_flagged` takes (``None``: no factored form). Kinds whose :meth:`factors`
         builds something for the whole batch (a convolution's patches) override it to build only these samples'."""
         f = self.factors(module, ctx, name)
         return None if f is None or f.right is None or f.left is None else [_factored.select(f, index)]

@@ -5,12 +5,13 @@ to far below its terms (two positions with one input and output gradients ``g``,
 of the Grams (``~2^-24`` of the terms) rules the computed value: it came out as 0 or below, the clipping factor was 1,
 and the book-keeping contraction released the true gradient: 170 R. ``fastdp.layers._rounding.guarded_sq`` flags
 such a sample (``sq < 2^6 err``, ``err`` a worst-case bound of the rounding) and raises its norm by ``2 err``; on the
-CPU ``fastdp.layers._rounding.refined_sq`` then takes the flagged samples' norms again in float64. Every test runs
-both ways (the ``flagged_norms`` fixture): refined, and raised as on CUDA.
+CPU ``fastdp.layers._rounding.exact_flagged`` then instantiates the flagged samples' gradients and sums them apart
+from the contraction. Every test runs both ways (the ``flagged_norms`` fixture): exact, and raised as on CUDA.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -25,10 +26,10 @@ MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
 EPS = [2.0**-6, 2.0**-12, 1.5 * 2.0**-17, 2.0**-21]
 
 
-@pytest.fixture(autouse=True, params=["refined", "raised"])
+@pytest.fixture(autouse=True, params=["exact", "raised"])
 def flagged_norms(request, monkeypatch) -> str:
-    """Both ways a flagged sample gets its norm: taken again exactly (the CPU's) or raised by the rounding bound
-    (CUDA's, where finding the flagged samples would synchronise with the host)."""
+    """Both ways a flagged sample is clipped: instantiated and summed apart (the CPU's) or with its norm raised by the
+    rounding bound (CUDA's, where finding the flagged samples would synchronise with the host)."""
     if request.param == "raised":
         monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": True, "default": True})
     return request.param
@@ -125,7 +126,7 @@ def test_other_gradients_that_cancel_are_released_within_R(mode, case):
 def test_the_constructions_unclip_without_the_guard(case, monkeypatch):
     # the tests above can fail: with the guard off, the ghost norm's rounding releases several times R
     monkeypatch.setattr(_rounding, "guarded_sq", lambda sq, err, bound: sq)
-    monkeypatch.setattr(_rounding, "refined_sq", lambda sq, err, bound, factors_of: sq)
+    monkeypatch.setattr(_rounding, "exact_flagged", lambda sq, err, bound, factors_of, shape: (sq, None))
     assert _worst(CASES[case], "BK-ghost") > 2
 
 
@@ -295,7 +296,7 @@ def _offset_case(seed: int, B: int = 2, T: int = 64, d: int = 256, p: int = 64):
 
 
 @pytest.mark.parametrize("mode", ["BK-ghost", "ghost", "BK-MixGhostClip"])
-def test_legitimate_cancellation_is_clipped_exactly_where_refined(mode, flagged_norms):
+def test_legitimate_cancellation_is_clipped_exactly_where_taken_apart(mode, flagged_norms):
     x, y = _offset_case(0)
     sq, err, _ = _matmul.ghost_norm_parts(x[:, None], y[:, None], share=False)
     assert bool((sq < _rounding.CANCELLATION_GUARD * err).all())  # both samples flagged
@@ -309,35 +310,97 @@ def test_legitimate_cancellation_is_clipped_exactly_where_refined(mode, flagged_
     opt.step()
     # the engine releases the clipped sum over the expected batch size (2)
     oracle = (per_sample * (R / per_sample.flatten(1).norm(dim=1)).view(-1, 1, 1)).sum(0) / 2
-    if flagged_norms == "refined":
+    if flagged_norms == "exact":
         assert float((model.weight.grad.double() - oracle).norm()) <= 1e-5 * float(oracle.norm())
     else:  # CUDA's raised norms over-clip it (measured: 25-65 % of a key projection's release lost)
         assert float(model.weight.grad.double().norm()) < 0.9 * float(oracle.norm())
 
 
-def test_refined_norms_of_shared_and_embedding_uses_are_exact(flagged_norms):
-    # the refinement of a parameter with several uses (norms.shared_norm_sq) and of an embedding (one-hot factors)
-    from fastdp.layers._factored import Factors, OneHot
-    x, y = _offset_case(1, T=32, d=64, p=16)
-    uses = [Factors(y[:, None], x[:, None]), Factors(-0.5 * y[:, None], x[:, None])]
-    true = (0.5 * torch.einsum("btp,btd->bpd", y.double(), x.double())).flatten(1).square().sum(1)
-    sq, err, bound = _rounding.total_parts(uses, torch.float32)
-    assert bool((sq < _rounding.CANCELLATION_GUARD * err).all())
-    got = _rounding.refined_sq(sq, err, bound, lambda index: [Factors(f.left[index], f.right[index]) for f in uses])
-    if flagged_norms == "refined":
-        torch.testing.assert_close(got.double(), true, rtol=1e-6, atol=0)
+def _floor_case(n: int, d: int, p: int, s: float = 2.0**10):
+    # (red-team, 2026-11-28) one weight entry, T = n + 2 positions: +1, then n terms just over half an ulp of the
+    # running sum (each rounds it up by about u where BLAS sums the positions one after another), then -(1 + delta):
+    # the exact gradient is 1.001 times 2^-12 of the terms. An exact norm floored there released 1.44 R (T 4002, 1x1)
+    x, y = torch.zeros(1, n + 2, d), torch.zeros(1, n + 2, p)
+    c = 2.0**-24 * (1 + 2.0**-8)
+    e = 1.001 * 2.0**-12 * (2 + 2 * n * c)
+    x[0, 0, 0] = y[0, 0, 0] = 1
+    x[0, 1:n + 1, 0] = 2.0**-12
+    y[0, 1:n + 1, 0] = 2.0**-12 * (1 + 2.0**-8)
+    x[0, n + 1, 0] = 1
+    y[0, n + 1, 0] = -(1 + (n * c - e))
+    return x * s, y * s
+
+
+@pytest.mark.parametrize("n,d,p,mode", [(4000, 1, 1, "BK-ghost"), (2000, 1, 1, "ghost"),
+                                        (300, 1024, 1024, "BK-MixOpt"), (300, 1024, 1024, "BK-MixGhostClip")])
+def test_the_contractions_own_rounding_cannot_unclip_a_flagged_sample(n, d, p, mode):
+    x, y = _floor_case(n, d, p)
+    exact = float(torch.einsum("tp,td->pd", y[0].double(), x[0].double()).norm())
+    for shift in range(-4, 5):  # R around the exact norm's 2^-10 (the red-team's power-of-two clipping factor)
+        R = exact * 2.0 ** (-10 + shift / 4)
+        got = _release_norm(nn.Linear(d, p, bias=False), lambda m: (m(x) * y).sum(), mode, R)
+        assert got <= 1 + 1e-6, (shift, got)
+
+
+@pytest.mark.parametrize("case", ["shared", "embedding", "conv"])
+def test_samples_taken_apart_release_the_oracle(case, flagged_norms, monkeypatch):
+    # a flagged sample among unflagged ones, in the shared-weight, embedding and convolution paths: every sample's
+    # clipped gradient is the brute-force oracle's (the flagged one's gradients instantiated, the others contracted)
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    if case == "shared":
+        model = _TwoCalls(16)
+        x = torch.randn(3, 4, 16, generator=g) + 30 * torch.randn(1, 1, 16, generator=g)
+        w = torch.randn(3, 4, 16, generator=g)
+        w = w - w.mean(1, keepdim=True)  # output gradients summing to 0 over positions: the offset cancels
+
+        def loss(m, xb, wb):
+            u, v = m(xb)
+            return (u * wb).sum() + (v * (0.5 * wb)).sum()
+    elif case == "embedding":
+        model = nn.Embedding(20, 8)
+        x = torch.tensor([[3, 3, 3, 4], [1, 2, 5, 6], [7, 7, 8, 9]])
+        w = torch.randn(3, 4, 8, generator=g) * 1e3
+        w[0, 2] = -(w[0, 0] + w[0, 1]) * (1 + 2.0**-8)  # sample 0's token 3 cancels to about 2^-8
+        w[0, 3] = 0
+
+        def loss(m, xb, wb):
+            return (m(xb) * wb).sum()
     else:
-        assert bool((got.double() > 2 * true).all())
-    ids = torch.tensor([[3, 3, 3]])
-    G = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(2)) * 1e3
-    # token 3's three rows cancel to about 2^-8 of one: flagged, and far above the contraction's floor (2^-12)
-    G[0, 2] = -(G[0, 0] + G[0, 1]) * (1 + 2.0**-8)
-    f = Factors(OneHot(ids[:, None], 10), G[:, None])
-    true = G.double().sum(1).square().sum(1)
-    sq, err, bound = _rounding.total_parts([f], torch.float32)
-    assert bool((sq < _rounding.CANCELLATION_GUARD * err).all())
-    got = _rounding.refined_sq(sq, err, bound, lambda index: [f])
-    if flagged_norms == "refined":
-        torch.testing.assert_close(got.double(), true, rtol=1e-6, atol=0)
-    else:
-        assert bool((got.double() > 1.1 * true).all())  # raised by twice the rounding bound
+        model = nn.Conv1d(16, 8, 1, bias=False)
+        x = (torch.randn(3, 16, 24, generator=g) + 30 * torch.randn(1, 16, 1, generator=g))
+        w = torch.randn(3, 8, 24, generator=g)
+        w[0] = w[0] - w[0].mean(1, keepdim=True)  # sample 0 only
+
+        def loss(m, xb, wb):
+            return (m(xb) * wb).sum()
+    per = []
+    for i in range(3):
+        m = copy.deepcopy(model).double()
+        loss(m, x[i:i + 1] if x.dtype == torch.long else x[i:i + 1].double(), w[i:i + 1].double()).backward()
+        per.append(torch.cat([q.grad.flatten() for q in m.parameters()]))
+    norms = torch.stack([q.norm() for q in per])
+    R = float(norms.min()) / 4  # every sample clipped
+    oracle = sum(q * (R / float(q.norm())) for q in per) / 3  # the engine divides by the expected batch size
+    taken = []
+    original = _rounding.exact_flagged
+
+    def spy(*args):
+        sq, ex = original(*args)
+        taken.append(None if ex is None else ex.index.tolist())
+        return sq, ex
+
+    monkeypatch.setattr(_rounding, "exact_flagged", spy)
+    for mode in ["BK-ghost", "BK-MixOpt"]:
+        m = copy.deepcopy(model)
+        engine = make_engine(m, batch_size=3, R=R, mode=mode, reduction="sum")
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        engine.attach(opt)
+        loss(m, x, w).backward()
+        opt.step()
+        got = torch.cat([q.grad.flatten().double() for q in m.parameters()])
+        if flagged_norms == "exact":
+            assert any(0 in t for t in taken if t), taken  # sample 0 was flagged and taken apart
+            assert float((got - oracle).norm()) <= 1e-5 * float(oracle.norm()), mode
+        else:
+            assert float(got.norm()) <= float(oracle.norm()) * (1 + 1e-5), mode

@@ -124,8 +124,8 @@ def test_no_host_read_inside_the_backward_pass(name, mode, kw, monkeypatch):
 @pytest.mark.parametrize("defer", [True, False])
 def test_flagged_ghost_norms_are_taken_again_only_where_a_host_read_is_free(defer, monkeypatch):
     """Samples the cancellation guard flags (inputs with a large common offset, output gradients summing to 0 over
-    positions) get exact norms by finding them on the host (``_rounding.refined_sq``): on the CPU only, never where
-    checks are deferred (CUDA), where they keep the raised norm."""
+    positions) are instantiated and summed apart by finding them on the host (``_rounding.exact_flagged``): on the
+    CPU only, never where checks are deferred (CUDA), where they keep the raised norm."""
     monkeypatch.setattr(deferred, "DEFER_ON", {"cpu": defer, "default": defer})
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 64, 256, generator=g) + 40
