@@ -52,6 +52,7 @@ from fastdp.plan import Plan, PlanEntry, trainable_change
 from fastdp.records import Record
 from fastdp.sample_sets import SampleSets
 from fastdp.torch_api import (
+    batch_norm_layout_hooks,
     grad_accumulator,
     is_batchnorm,
     pass_accumulates,
@@ -248,6 +249,9 @@ class Capture:
         for mname, module in root.named_modules():
             if is_batchnorm(module):
                 hooks.append(module.register_forward_pre_hook(partial(_batchnorm_guard, mname)))
+        # torch's CPU batch-norm kernels misread some layouts in the backward pass (a batch of one through a view):
+        # every pass (the structure probe's batch-of-one passes included) gets layouts they read correctly
+        hooks.extend(batch_norm_layout_hooks(root))
         # Hugging Face models called with labels=: their internal loss mixes samples (fastdp.hf_guard)
         if not self._guard_handles:
             self._guard_handles = hf_guard.install(root, self.engine.loss_reduction)

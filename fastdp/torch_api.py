@@ -232,6 +232,70 @@ def is_batchnorm(module: nn.Module) -> bool:
 BatchNormBase = nn.modules.batchnorm._BatchNorm
 
 
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def dense_layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """``t``, or a contiguous copy where its strides are not exactly a contiguous tensor's of its shape (nor, with
+    ``channels_last`` and 4 dimensions, a channels-last one's).
+
+    torch 2.14.1's CPU batch-norm kernels give silently wrong gradients (input, weight and bias, off by 1-15 times
+    their norm) when the input or the output gradient is dense but a size-1 dimension carries another stride than its
+    contiguous or channels-last one: torch's contiguity rule ignores those strides, the kernel does not. A batch of
+    one, or an axis of one pixel, reached through a view does it: XCiT's and LeViT's patch embeddings (``x.flatten(2)
+    .transpose(1, 2)`` after a BatchNorm) at batch size 1 gave stem gradients 1.3-2.3 times the batch's off, and the
+    brute-force batch-of-one oracle (and the engine's structure probe) with them. InstanceNorm runs on the same
+    kernels over a reshaped input and needs the contiguous layout exactly. No public API says which layouts the
+    kernel reads correctly; found by trying every dense layout of small shapes (tests/layers/test_norm_strides.py)."""
+    shape, strides = t.shape, t.stride()
+    if strides == _row_major(shape):
+        return t
+    if channels_last and t.dim() == 4:
+        n, c, h, w = shape
+        if strides == (h * w * c, 1, w * c, c):
+            return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``) is running: its wrapped tensors have no strides to
+    read and take no tensor hooks. (``torch._C._are_functorch_transforms_active`` is private; no public query.)"""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def batch_norm_layout_hooks(root: nn.Module) -> list[Any]:
+    """Forward hooks on every BatchNorm and InstanceNorm module under ``root`` that hand its CPU kernels the layouts
+    they read correctly (:func:`dense_layout`): the input in a forward pre-hook, the output gradient in a hook on the
+    output. A copy only where the layout is one the kernel misreads; nothing on other devices (the CUDA kernels
+    were not seen to fail, and were not checked). Returns the hook handles."""
+    handles = []
+    for module in root.modules():
+        if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
+            cl = isinstance(module, nn.modules.batchnorm._BatchNorm)
+            handles.append(module.register_forward_pre_hook(functools.partial(_dense_input, cl)))
+            handles.append(module.register_forward_hook(functools.partial(_dense_grad_output, cl)))
+    return handles
+
+
+def _dense_input(channels_last: bool, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or functorch_active():
+        return None
+    dense = dense_layout(x, channels_last)
+    return None if dense is x else (dense, *args[1:])
+
+
+def _dense_grad_output(channels_last: bool, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    if (isinstance(out, torch.Tensor) and out.requires_grad and out.device.type == "cpu"
+            and not functorch_active()):
+        out.register_hook(functools.partial(dense_layout, channels_last=channels_last))
+
+
 def set_parameter_slot(module: nn.Module, name: str, value: Any) -> None:
     """Put ``value`` (a parameter or, during a verified expansion, a plain tensor) in ``module``'s own parameter
     slot ``name`` without ``register_parameter``'s checks: the expansion must put a non-leaf tensor where the module's
