@@ -103,9 +103,9 @@ def measure(T: int, offset: float, refine: bool, width: int = 768) -> list[dict]
     flagged = [0]
     original, defer_on = _rounding.exact_flagged, deferred.DEFER_ON
 
-    def counting(sq, err, bound_sq, factors_of, shape):
+    def counting(sq, err, bound_sq, factors_of, shape, positions):
         flagged[0] += int((sq < _rounding.CANCELLATION_GUARD * err).sum())
-        return original(sq, err, bound_sq, factors_of, shape)
+        return original(sq, err, bound_sq, factors_of, shape, positions)
 
     _rounding.exact_flagged = counting
     if not refine:  # as on CUDA, where the engine reads nothing on the host in the backward pass

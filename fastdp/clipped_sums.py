@@ -244,7 +244,7 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
             sq_of[param], ex = _rounding.exact_flagged(
                 *kind.ghost_norm_parts(module, ctx, name),
                 lambda index, kind=kind, module=module, ctx=ctx, name=name: kind.sample_factors(
-                    module, ctx, name, index), shape)
+                    module, ctx, name, index), shape, kind.contraction_positions(module, ctx, name))
             if ex is not None:
                 exact[param] = ex
             how[id(param)] = "ghost"

@@ -169,4 +169,4 @@ def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode, shape: S
     # uses whose gradients cancel (a tied weight's) or positions within one: the guard on the total, whose rounding
     # is that of every Gram of every pair; the triangle bound sum_u ||g_i^u|| caps what a flagged sample gets
     return _rounding.exact_flagged(total, err, bound.square(),
-                                   lambda index: [_factored.select(f, index) for f in facs], shape)
+                                   lambda index: [_factored.select(f, index) for f in facs], shape, positions)

@@ -458,6 +458,9 @@ class OuterProductKind(LayerKind):
         A, G = ctx
         return ghost_norm_parts(A, G, narrow=narrow_of(ctx))
 
+    def contraction_positions(self, module: nn.Module, ctx: Any, name: str) -> int:
+        return ctx[1].shape[2]  # G (B, g, T, p)
+
     def guard_contracted(self, module: nn.Module, ctx: Any, name: str, sq: torch.Tensor) -> torch.Tensor:
         A, G = ctx
         if name == "bias" or A is None:  # the bias's sum reads G summed over positions, as its instantiation does

@@ -171,6 +171,12 @@ class LayerKind:
         samples apart where that costs no host synchronisation, :func:`fastdp.layers._rounding.exact_flagged`)."""
         return _rounding.guarded_sq(*self.ghost_norm_parts(module, ctx, name))
 
+    def contraction_positions(self, module: nn.Module, ctx: Any, name: str) -> int:
+        """How many terms of each sample the clipped sum of ``name`` adds (a ghost norm's positions ``T``): its
+        rounding grows with them (:func:`fastdp.layers._rounding.with_contraction`). Kinds with :meth:`ghost_names`
+        implement it."""
+        raise NotImplementedError
+
     def sample_factors(self, module: nn.Module, ctx: Any, name: str, index: torch.Tensor) -> list[Factors] | None:
         """:meth:`factors` of the samples ``index`` ``(k,)`` only, as the one-use list
         :func:`fastdp.layers._rounding.exact_flagged` takes (``None``: no factored form). Kinds whose :meth:`factors`

@@ -129,6 +129,9 @@ class ConvKind(_matmul.OuterProductKind):
             return parts[0]
         return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
+    def contraction_positions(self, module: nn.Module, ctx: Any, name: str) -> int:
+        return ctx.T if isinstance(ctx, ConvCall) else super().contraction_positions(module, ctx, name)
+
     def sample_factors(self, module: nn.Module, ctx: Any, name: str, index: torch.Tensor) -> list[Factors] | None:
         if name == "bias":
             return super().sample_factors(module, _bias_ctx(ctx), name, index)

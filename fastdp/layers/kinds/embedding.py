@@ -83,6 +83,9 @@ class EmbeddingKind(LayerKind):
         T = ids.shape[1]
         return 2 * T * T < module.num_embeddings * module.embedding_dim
 
+    def contraction_positions(self, module: nn.Module, ctx: Any, name: str) -> int:
+        return ctx[1].shape[1]
+
     def ghost_norm_parts(self, module: nn.Module, ctx: Any, name: str
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, G = ctx
@@ -106,7 +109,7 @@ class EmbeddingKind(LayerKind):
         # instantiation's (scatter_add_ of G_t): the norm at least 2^12 u sum_t ||G_t||, which covers the difference
         ids, G = ctx
         bound = _rounding.triangle_bound_sq(torch.linalg.vector_norm(G, dim=-1).unsqueeze(1), 1.0)
-        return _rounding.guarded_instantiated_sq(sq, bound)
+        return _rounding.with_contraction(_rounding.guarded_instantiated_sq(sq, bound), bound, G.shape[1], copies=2)
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         ids, G = ctx
