@@ -73,8 +73,9 @@ def norm_bound(f: Factors, dtype: torch.dtype) -> torch.Tensor:
 #: sample's squared norm becomes ``max(sq_i, 0) + FLAGGED_INFLATION * err_i`` (at most the triangle bound
 #: ``(sum_t ||l_t|| ||r_t||)^2``, which no cancellation can exceed): never below the true one. Not flagged, the
 #: rounding is below ``1 / CANCELLATION_GUARD`` of ``sq_i``, so ``||C_i g_i|| <= sqrt(1 + 2^-6) R = 1.008 R`` at
-#: worst, whatever the summation order (the final sum over ``T^2`` products included: :func:`reduction_width`; to the
-#: rounding of the contraction, far smaller).
+#: worst, whatever the summation order (the final sum over ``T^2`` products included: :func:`reduction_width`), and
+#: with the contraction's own rounding of the sample's terms at most ``(1.008 + 2^-9) R = 1.010 R``
+#: (:func:`with_contraction`).
 CANCELLATION_GUARD = 2.0 ** 6
 #: how many rounding bounds a flagged sample's squared norm is raised by (:data:`CANCELLATION_GUARD`)
 FLAGGED_INFLATION = 2.0
