@@ -103,45 +103,43 @@ def _oracle(model: nn.Module, x: torch.Tensor, y: torch.Tensor, R: float) -> tor
     return total / x.shape[0]
 
 
+def _release(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw) -> torch.Tensor:
+    """One private step (noise 0, ``R`` 1e-4, every sample clipped): the released gradient, flattened."""
+    engine = make_engine(model, batch_size=x.shape[0], R=1e-4, reduction="sum", **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    (model(x) * y).sum().backward()
+    opt.step()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "instantiate"])
 def test_a_patch_embedding_at_batch_size_one_is_clipped_exactly(mode):
     torch.manual_seed(0)
     model = PatchEmbed().to(D)
     x, y = torch.randn(1, 3, 4, 4, dtype=D), torch.randn(1, 2, dtype=D)
     want = _oracle(model, x, y, 1e-4)
-    engine = make_engine(model, batch_size=1, R=1e-4, mode=mode, reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
-    (model(x) * y).sum().backward()
-    opt.step()
-    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    got = _release(model, x, y, mode=mode)
     assert float((got - want).norm()) <= 1e-6 * float(want.norm())
 
 
-def test_without_the_hooks_the_probe_refuses_a_batch_of_one(monkeypatch):
-    # the check can fail: without the hooks the batch of one's own backward (the kernel's wrong gradients) disagrees
-    # with the engine's per-sample gradients of the BatchNorm, and the structure probe refuses the model
+@pytest.mark.parametrize("B", [1, 3])
+def test_without_the_hooks_the_probe_refuses_a_patch_embedding(B, monkeypatch):
+    # the check can fail: without the hooks the probe's batch-of-one backward (the kernel's wrong gradients)
+    # disagrees with the engine's per-sample gradients of the BatchNorm, and the probe refuses the model
     from fastdp.probe import StructureError
     monkeypatch.setattr("fastdp.capture.batch_norm_layout_hooks", lambda root: [])
     torch.manual_seed(0)
     model = PatchEmbed().to(D)
-    x, y = torch.randn(1, 3, 4, 4, dtype=D), torch.randn(1, 2, dtype=D)
-    engine = make_engine(model, batch_size=1, R=1e-4, reduction="sum")
-    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    x, y = torch.randn(B, 3, 4, 4, dtype=D), torch.randn(B, 2, dtype=D)
     with pytest.raises(StructureError, match="bn"):
-        (model(x) * y).sum().backward()
+        _release(model, x, y)
 
 
-def test_the_structure_probe_passes_a_patch_embedding(monkeypatch):
-    # batch 3: the probe's batch-of-one passes used to read the kernel's wrong gradients and refuse the model
+def test_the_structure_probe_passes_a_patch_embedding():
     torch.manual_seed(1)
     model = PatchEmbed().to(D)
     x, y = torch.randn(3, 3, 4, 4, dtype=D), torch.randn(3, 2, dtype=D)
     want = _oracle(model, x, y, 1e-4)
-    engine = make_engine(model, batch_size=3, R=1e-4, reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
-    (model(x) * y).sum().backward()
-    opt.step()
-    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    got = _release(model, x, y)
     assert float((got - want).norm()) <= 1e-6 * float(want.norm())
