@@ -178,12 +178,13 @@ def exact_flagged(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
     is that of ``grads`` and the clipped sum adds ``coef_i grads_i`` itself (fastdp/clipped_sums.py), so norm and sum
     agree at any cancellation, as kept instantiated gradients do.
 
-    Returns ``(sq, Exact(index, grads))``, or ``(guarded, None)`` where nothing is flagged or the exact path does
-    not apply: ``shape`` ``None`` (a clipped sum that cannot leave samples out, e.g. a replayed backward), device
-    types whose checks wait for the release (:func:`fastdp.deferred.defers`: CUDA, where finding the flagged samples
-    would synchronise with the host in the backward pass), where ``factors_of(index)`` (the parameter's uses
-    restricted to the samples ``index``) gives ``None``, or beyond :data:`EXACT_MAX_NUMBERS`. A sample whose ``err``
-    or bound is not finite keeps the raised norm."""
+    Returns ``(sq, Exact(index, grads))``, or ``(sq, None)`` where nothing is flagged or the exact path does not
+    apply (then every sample keeps its guarded norm, raised where flagged): ``shape`` ``None`` (a clipped sum that
+    cannot leave samples out, e.g. a replayed backward), device types whose checks wait for the release
+    (:func:`fastdp.deferred.defers`: CUDA, where finding the flagged samples would synchronise with the host in the
+    backward pass), where ``factors_of(index)`` (the parameter's uses restricted to the samples ``index``) gives
+    ``None``, or beyond :data:`EXACT_MAX_NUMBERS`. A sample whose ``err`` or bound is not finite keeps the raised
+    norm."""
     guarded = guarded_sq(sq, err, bound_sq)
     raised = with_contraction(guarded, bound_sq, positions)
     if shape is None or deferred.defers(sq.device) or sq.numel() == 0:
