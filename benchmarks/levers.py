@@ -62,6 +62,13 @@ Levers:
   rounding (``fastdp.layers._rounding.gram_rounding``: the Grams' Frobenius norms and the positions' norms) and raises
   samples that rounding rules (``guarded_sq``); the final sum over ``T^2`` products accumulates in float64
   (``_factored.gram_inner``) in both configurations; before: no bound, nothing flagged.
+* ``exact-path``: also the cost of privacy fixes. Where a host read is free, the samples a ghost norm flags are
+  instantiated and summed apart from the contraction, and every sample's norm is raised by the contraction's own
+  rounding where that exceeds ``2^-9`` of it (``fastdp.layers._rounding.exact_flagged``); before: the guarded norm
+  only.
+* ``bn-layout``: the BatchNorm/InstanceNorm layout hooks (``fastdp.torch_api.batch_norm_layout_hooks``: a stride check
+  of each input and output gradient, a copy where torch's CPU kernel would misread it); before: switched off
+  (``DENSE_LAYOUT_DEVICES`` empty; the hooks still run and return at once).
 * ``conv-per-sample-measure``: a convolution's per-sample gradients at ``T >= 256`` by the grouped kernel or from
   patches, whichever was faster when timed once per call shape (``fastdp.layers.kinds.conv.PER_SAMPLE_GRADS =
   "measure"``); before: always the grouped kernel.
@@ -122,6 +129,7 @@ import fastdp.layers._factored
 import fastdp.layers._matmul
 import fastdp.layers._rounding
 import fastdp.noise
+import fastdp.torch_api
 from fastdp.layers import _matmul
 from fastdp.layers.base import to_accumulation
 from fastdp.layers.kinds import conv as conv_kind
@@ -257,6 +265,17 @@ def _cancellation_guard_before() -> contextlib.AbstractContextManager:
                      (fastdp.layers._rounding, "guarded_sq", lambda sq, err, bound: sq)])
 
 
+def _exact_path_before() -> contextlib.AbstractContextManager:
+    # flagged samples keep the raised norm and stay in the contraction; no contraction raise, no host read
+    return _patched([(fastdp.layers._rounding, "exact_flagged",
+                      lambda sq, err, bound, factors_of, shape, positions: (
+                          fastdp.layers._rounding.guarded_sq(sq, err, bound), None))])
+
+
+def _bn_layout_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.torch_api, "DENSE_LAYOUT_DEVICES", frozenset())])
+
+
 LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "fused-norms": _fused_norms_before,
     "shared-gram": _shared_gram_before,
@@ -277,6 +296,8 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "noise-in-place": _noise_in_place_before,
     "gram-strips": _gram_strips_before,
     "cancellation-guard": _cancellation_guard_before,
+    "exact-path": _exact_path_before,
+    "bn-layout": _bn_layout_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))

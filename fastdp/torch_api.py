@@ -268,11 +268,16 @@ def functorch_active() -> bool:
     return bool(torch._C._are_functorch_transforms_active())
 
 
+#: device types whose batch-norm kernels get :func:`dense_layout` operands from :func:`batch_norm_layout_hooks` (read
+#: at each call; the CUDA kernels were not seen to misread a layout, and were not checked)
+DENSE_LAYOUT_DEVICES = frozenset({"cpu"})
+
+
 def batch_norm_layout_hooks(root: nn.Module) -> list[Any]:
     """Forward hooks on every BatchNorm and InstanceNorm module under ``root`` that hand its CPU kernels the layouts
     they read correctly (:func:`dense_layout`): the input in a forward pre-hook, the output gradient in a hook on the
-    output. A copy only where the layout is one the kernel misreads; nothing on other devices (the CUDA kernels
-    were not seen to fail, and were not checked). Returns the hook handles."""
+    output. A copy only where the layout is one the kernel misreads, and only on :data:`DENSE_LAYOUT_DEVICES`.
+    Returns the hook handles."""
     handles = []
     for module in root.modules():
         if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
@@ -284,14 +289,14 @@ def batch_norm_layout_hooks(root: nn.Module) -> list[Any]:
 
 def _dense_input(channels_last: bool, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or functorch_active():
+    if not isinstance(x, torch.Tensor) or x.device.type not in DENSE_LAYOUT_DEVICES or functorch_active():
         return None
     dense = dense_layout(x, channels_last)
     return None if dense is x else (dense, *args[1:])
 
 
 def _dense_grad_output(channels_last: bool, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-    if (isinstance(out, torch.Tensor) and out.requires_grad and out.device.type == "cpu"
+    if (isinstance(out, torch.Tensor) and out.requires_grad and out.device.type in DENSE_LAYOUT_DEVICES
             and not functorch_active()):
         out.register_hook(functools.partial(dense_layout, channels_last=channels_last))
 

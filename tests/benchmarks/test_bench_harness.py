@@ -330,6 +330,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     import fastdp.layers._matmul
     import fastdp.layers._rounding
     import fastdp.noise
+    import fastdp.torch_api
     from fastdp.layers.kinds import conv as conv_kind
     from fastdp.layers.kinds import groupnorm
     from fastdp.layers.kinds.conv import ConvKind
@@ -342,7 +343,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
                 dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
                 groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs, dict(fastdp.layers._matmul.GRAM_ALIGN),
-                fastdp.layers._rounding.gram_rounding, fastdp.layers._rounding.guarded_sq)
+                fastdp.layers._rounding.gram_rounding, fastdp.layers._rounding.guarded_sq,
+                fastdp.layers._rounding.exact_flagged, fastdp.torch_api.DENSE_LAYOUT_DEVICES)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -355,7 +357,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "conv-sum-kernel before", "conv-sum-measure before", "conv-pixel-grams before",
                          "conv-kept-rule before", "noise-in-place before", "gram-strips before",
                          "conv-per-sample-measure before", "ln-weighted-kernel before", "gn-folded before",
-                         "balanced-noise-runs before", "cancellation-guard before"}
+                         "balanced-noise-runs before", "cancellation-guard before", "exact-path before",
+                         "bn-layout before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 
