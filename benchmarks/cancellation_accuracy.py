@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
-import subprocess
-import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_file import write_rows
 from torch import nn
 
 from fastdp import PrivacyEngine, deferred
@@ -142,12 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['T']} | {r['offset']:g} | {r['flagged_norms']} | {r['style']} | {r['mode']} | "
               f"{r['flagged_sample_layers']} | {r['worst_rel_err']:.2e} ({r['worst_param']}) |")
     if args.json is not None:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-                "commit": commit, "threads": args.threads, "machine": platform.machine()}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        write_rows(args.json, rows, threads=args.threads)
 
 
 if __name__ == "__main__":

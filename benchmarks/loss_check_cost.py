@@ -25,15 +25,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import time
 import weakref
 from pathlib import Path
 
 import torch
+from results_file import write_rows
 
 from fastdp import loss_check, loss_trace
 from fastdp.loss_deps import Book, output_dep
@@ -109,11 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['B']} x {r['T']} | {r['V']} | {r['loss_ms']:.1f} | {r['check_ms']:.1f} | {r['ratio']:.2f}x | "
               f"{r['verdict']} | {r['traced_ms']:.1f} | {r['trace_ratio']:+.3f} | {r['trace_verdict']} |")
     if args.json is not None:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-                "commit": commit, "threads": args.threads, "reps": args.reps, "machine": platform.machine()}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        write_rows(args.json, rows, threads=args.threads, reps=args.reps)
 
 
 if __name__ == "__main__":

@@ -133,11 +133,11 @@ def _row_length(shape: tuple[int, ...] | torch.Size, n: int) -> int | None:
     return 1024 if n % 1024 == 0 else None
 
 
-def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode, shape: Sequence[int] | None
+def shared_norm_sq(plist: list[tuple[Record, str]], mode: ClippingMode, shape: Sequence[int]
                    ) -> tuple[torch.Tensor, Exact | None] | None:
     """``||sum_u g_i^u||^2`` of a parameter of ``shape`` used by several calls, by Gram matrices (``None``:
     instantiate), and the samples taken apart where rounding rules it
-    (:func:`fastdp.layers._rounding.exact_flagged`; ``shape`` ``None``: none taken apart).
+    (:func:`fastdp.layers._rounding.exact_flagged`).
 
     ``sum_u ||g^u||^2 + 2 sum_{u<v} <g^u, g^v>``, every term in its ghost form (:mod:`fastdp.layers._factored`).
     Chosen in the ghost modes and, in the mixed modes, when ``2 (sum_u T_u)^2 < g m n`` (the single-layer rule with

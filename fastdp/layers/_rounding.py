@@ -162,7 +162,7 @@ class Exact:
 
 
 def exact_flagged(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
-                  factors_of: Callable[[torch.Tensor], Sequence[Factors] | None], shape: Sequence[int] | None,
+                  factors_of: Callable[[torch.Tensor], Sequence[Factors] | None], shape: Sequence[int],
                   positions: int) -> tuple[torch.Tensor, Exact | None]:
     """:func:`guarded_sq` ``(B,)``, and each flagged sample's gradient instantiated, where a host read is free; the
     samples left in the contraction (``positions`` terms each) raised by its rounding (:func:`with_contraction`).
@@ -179,15 +179,14 @@ def exact_flagged(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
     agree at any cancellation, as kept instantiated gradients do.
 
     Returns ``(sq, Exact(index, grads))``, or ``(sq, None)`` where nothing is flagged or the exact path does not
-    apply (then every sample keeps its guarded norm, raised where flagged): ``shape`` ``None`` (a clipped sum that
-    cannot leave samples out, e.g. a replayed backward), device types whose checks wait for the release
-    (:func:`fastdp.deferred.defers`: CUDA, where finding the flagged samples would synchronise with the host in the
-    backward pass), where ``factors_of(index)`` (the parameter's uses restricted to the samples ``index``) gives
-    ``None``, or beyond :data:`EXACT_MAX_NUMBERS`. A sample whose ``err`` or bound is not finite keeps the raised
-    norm."""
+    apply (then every sample keeps its guarded norm, raised where flagged): device types whose checks wait for the
+    release (:func:`fastdp.deferred.defers`: CUDA, where finding the flagged samples would synchronise with the host
+    in the backward pass), where ``factors_of(index)`` (the parameter's uses restricted to the samples ``index``)
+    gives ``None``, or beyond :data:`EXACT_MAX_NUMBERS`. A sample whose ``err`` or bound is not finite keeps the
+    raised norm."""
     guarded = guarded_sq(sq, err, bound_sq)
     raised = with_contraction(guarded, bound_sq, positions)
-    if shape is None or deferred.defers(sq.device) or sq.numel() == 0:
+    if deferred.defers(sq.device) or sq.numel() == 0:
         return raised, None
     flagged = (sq < CANCELLATION_GUARD * err) & err.isfinite() & bound_sq.isfinite()
     if not bool(flagged.any()):

@@ -1,0 +1,24 @@
+"""The JSON a small benchmark script writes: its rows under ``"rows"`` and what they were measured on under
+``"meta"`` (date, torch, the repository's commit, the machine, and the script's own settings)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], **settings: Any) -> None:
+    """Write ``{"meta": {...}, "rows": rows}`` to ``path`` (its folder created if missing); ``settings`` (e.g.
+    ``threads``, ``reps``) join the meta."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or None
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "commit": commit, **settings, "machine": platform.machine()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
