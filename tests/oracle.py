@@ -92,9 +92,47 @@ def _to_double(x):
     return x
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if its strides are exactly the row-major ones, else a row-major copy. (``is_contiguous()`` is no
+    test here: it ignores the stride of a size-1 dimension, which is what the kernel below misreads.)"""
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    if t.stride() == tuple(reversed(strides)):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _row_major_operands(module: nn.Module) -> None:
+    """Hand a batch-norm kernel row-major input and output-gradient tensors.
+
+    torch 2.14.1's CPU ``batch_norm`` backward (BatchNorm*, and InstanceNorm*, which runs on it) returns wrong
+    gradients when an operand is dense but a size-1 dimension carries another stride than its own: a batch of one
+    after ``flatten(2).transpose(1, 2)`` and a LayerNorm (XCiT's and LeViT's patch embeddings). The oracle's
+    batch-of-one passes would read them (its self-check then fails: the samples' gradients do not add up to the
+    batch's). Written here apart from the engine's own workaround (``fastdp.torch_api.batch_norm_layout_hooks``), so
+    the oracle does not depend on the code it checks."""
+
+    def pre(_m, args):
+        return (_row_major(args[0]), *args[1:]) if args and isinstance(args[0], torch.Tensor) else None
+
+    def post(_m, _args, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(_row_major)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+
+
 def oracle_model(model: nn.Module) -> nn.Module:
-    """Float64 deep copy (ties between parameters are preserved by deepcopy's memo)."""
-    return copy.deepcopy(model).double()
+    """Float64 deep copy (ties between parameters are preserved by deepcopy's memo), whose batch-norm kernels get
+    row-major operands (:func:`_row_major_operands`)."""
+    om = copy.deepcopy(model).double()
+    for m in om.modules():
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
+            _row_major_operands(m)
+    return om
 
 
 def call_model(model, x):

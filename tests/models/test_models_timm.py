@@ -209,3 +209,83 @@ def test_vit_relative_position_mlp(pool, mode, sizes):
     exact at every batch size. With a class token (``pool="token"``) the root owns parameters too."""
     model = relpos_vit(30 + MODES.index(mode), class_token=pool == "token", global_pool=pool)
     check_engine(model, cls_loss, images(sizes, 31 + MODES.index(mode) + 10 * sizes[0], 16), mode=mode)
+
+
+def levit(seed, hw=32):
+    """timm's LeViT, small: its ``Linear``+``BatchNorm1d`` blocks fold the batch into the tokens (``(B*N, C)``), and
+    its patch embedding is four Conv+BatchNorm2d. The BatchNorms get random running statistics and affine
+    parameters (so they are not the identity) and are put in eval mode (per-sample affine maps)."""
+    from timm.models.levit import Levit
+
+    torch.manual_seed(seed)
+    model = Levit(img_size=hw, num_classes=C, embed_dim=(16, 24), key_dim=8, depth=(1, 1), num_heads=(2, 2),
+                  attn_ratio=2.0, mlp_ratio=2.0).to(D)
+    _spread(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.normal_(std=0.3)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.normal_(mean=1.0, std=0.3)
+    return model
+
+
+def _eval_batch_norms(model, frozen):
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+            if frozen:
+                m.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("sizes", [[3, 1], [4]], ids=["B3+1", "B4-eq-tokens"])
+@pytest.mark.parametrize("mode", MODES)
+def test_levit_with_frozen_eval_batch_norms(mode, sizes):
+    """LeViT with its BatchNorms frozen in eval mode: exact. Its patch embedding's BatchNorm2d, at a batch of one,
+    met torch's CPU batch-norm backward bug (tests/layers/test_norm_strides.py), so the oracle's own self-check used
+    to fail; the oracle now hands those kernels row-major operands (tests/oracle.py). ``[4]``: the batch size equals
+    the token count after the stem (2 x 2 at 32²)."""
+    model = _eval_batch_norms(levit(40 + MODES.index(mode)), frozen=True)
+    assert model.stem(torch.zeros(1, 3, 32, 32, dtype=D)).shape[-2:].numel() == 4
+    check_engine(model, cls_loss, images(sizes, 41 + MODES.index(mode), 32), mode=mode, where="below")
+
+
+def test_levit_with_trainable_batch_norms_is_refused():
+    """Trainable BatchNorm1d over ``(B*N, C)`` rows (the batch folded into the tokens): a channel norm whose rows
+    fastdp does not unfold, so the engine refuses and names the module."""
+    model = _eval_batch_norms(levit(49), frozen=False)
+    with pytest.raises(RuntimeError, match=r"attn\.qkv\.bn.*BatchNorm1d.*freeze"):
+        check_engine(model, cls_loss, images([3, 1], 49, 32), mode="BK-MixOpt", where="below")
+
+
+def xcit(seed):
+    """timm's XCiT, small (width 16, one block, one class-attention block, 32² images: 4 patches): a convolutional
+    patch embedding with BatchNorm2d (eval mode here: per-sample), cross-covariance attention, local patch
+    interaction (depthwise convolutions with BatchNorm2d), a class token on the root and a Fourier position
+    encoder whose ``token_projection`` runs on a batch-free grid and is ``repeat``-ed over the batch."""
+    import timm
+
+    torch.manual_seed(seed)
+    model = _spread(timm.create_model("xcit_nano_12_p16_224", pretrained=False, img_size=32, num_classes=C,
+                                      embed_dim=16, depth=1, num_heads=2, cls_attn_layers=1).to(D))
+    return _eval_batch_norms(model, frozen=False)
+
+
+@pytest.mark.parametrize("sizes", [[3, 1], [4]], ids=["B3+1", "B4-eq-patches"])
+@pytest.mark.parametrize("mode", MODES)
+def test_xcit_with_a_frozen_position_encoder(mode, sizes):
+    """XCiT with ``pos_embed`` frozen and its BatchNorms in eval mode (trainable): exact. Its patch embedding's
+    BatchNorm2d sees, at a batch of one, the layout torch's CPU batch-norm backward misreads (the oracle's
+    self-check failed before the oracle's workaround)."""
+    model = xcit(50 + MODES.index(mode))
+    model.pos_embed.requires_grad_(False)
+    check_engine(model, cls_loss, images(sizes, 51 + MODES.index(mode), 32), mode=mode, where="below")
+
+
+def test_xcit_with_a_trainable_position_encoder_is_refused():
+    """The position encoder's convolution runs once on a grid (no batch dimension) and its output is repeated over
+    the batch from the root's forward: the root would own it next to its expanded class token, which the engine
+    refuses, naming the parameters."""
+    with pytest.raises(RuntimeError, match=r"expanded \('cls_token',\) but owns .*pos_embed\.token_projection"):
+        check_engine(xcit(59), cls_loss, images([3, 1], 59, 32), mode="BK-MixOpt", where="below")
