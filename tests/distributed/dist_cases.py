@@ -340,3 +340,29 @@ def run_resume(ctx: Any, spec: Spec, R: float, sigma: float, steps: int, split: 
     engine.detach()
     return {"straight": straight, "resumed": resumed, "other_rank": other, "steps": ckpt["engine"]["steps"],
             "world_size": ckpt["engine"]["world_size"]}
+
+
+def run_cancel(ctx: Any, spec: Spec, R: float, raised: bool = False) -> dict[str, Any]:
+    """One logical step of ``spec`` (the float32 ``cancel`` model) on this rank, recording which samples of each of
+    its layers' calls the ghost norms' guard took apart (``fastdp.layers._rounding.exact_flagged``). ``raised``: the
+    engine runs as on CUDA (``fastdp.deferred.DEFER_ON``: no host read, the flagged samples keep the raised norm)."""
+    from fastdp import deferred
+    from fastdp.layers import _rounding
+
+    taken: list[list[int]] = []
+    original, defer_on = _rounding.exact_flagged, deferred.DEFER_ON
+
+    def spy(*args: Any) -> Any:
+        sq, ex = original(*args)
+        if ex is not None:
+            taken.append(ex.index.tolist())
+        return sq, ex
+
+    _rounding.exact_flagged = spy
+    if raised:
+        deferred.DEFER_ON = {"cpu": True, "default": True}
+    try:
+        out = run_exact_unpatched(ctx, spec, R)
+    finally:
+        _rounding.exact_flagged, deferred.DEFER_ON = original, defer_on
+    return {**out, "taken": taken}

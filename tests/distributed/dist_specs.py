@@ -192,6 +192,28 @@ class Chosen(nn.Module):
         return self.head(picked + pooled)
 
 
+class Cancel(nn.Module):
+    """float32 (the others are float64): a Linear and a 1x1 Conv1d read the same inputs ``(B, 6, 64)``, which share a
+    large offset (as trained embeddings do), and return ``(B, 6, 32)`` each (wide enough that every mode takes
+    their ghost norms); the loss is their inner product with
+    targets ``y`` (:func:`cancel_loss`). A sample whose targets sum to 0 over the positions has a gradient that
+    cancels to far below its terms: the ghost norms' rounding bound flags it, and on the CPU its gradients are
+    instantiated and summed apart from the contraction (``fastdp.layers._rounding.exact_flagged``), on each rank
+    before the all-reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 32)
+        self.conv = nn.Conv1d(64, 32, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.proj(x), 0.5 * self.conv(x.transpose(1, 2)).transpose(1, 2)], dim=-1)
+
+
+def cancel_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out * y.unsqueeze(-1)).flatten(1).sum(1)
+
+
 def _gpt2() -> nn.Module:
     from model_oracle import LMWrap, gpt2
 
@@ -199,13 +221,17 @@ def _gpt2() -> nn.Module:
 
 
 BUILDERS = {"mixed": Mixed, "vit": TinyViT, "tied": TiedLM, "big": Big, "gpt2": _gpt2, "many": Many, "cnn": SmallCNN,
-            "folded": Folded, "outside": OutsideUse, "chosen": Chosen}
+            "folded": Folded, "outside": OutsideUse, "chosen": Chosen, "cancel": Cancel}
+#: models kept in float32 (the rounding of float32 ghost norms is what they test)
+FLOAT32 = frozenset({"cancel"})
 
 
 def build(kind: str, seed: int) -> nn.Module:
     """The float64 model ``kind`` with parameters from ``seed`` (the same on every process)."""
     torch.manual_seed(seed)
-    model = BUILDERS[kind]().to(D)
+    model = BUILDERS[kind]()
+    if kind not in FLOAT32:
+        model = model.to(D)
     model.train()
     return model
 
@@ -219,7 +245,7 @@ def mse_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 LOSSES = {"mixed": cls_loss, "vit": cls_loss, "tied": lm_loss, "big": mse_loss, "gpt2": lm_loss, "cnn": cls_loss,
-          "folded": cls_loss, "outside": cls_loss, "chosen": cls_loss}
+          "folded": cls_loss, "outside": cls_loss, "chosen": cls_loss, "cancel": cancel_loss}
 
 
 def make_batch(kind: str, n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -237,6 +263,11 @@ def make_batch(kind: str, n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], 
     if kind == "gpt2":
         ids = torch.randint(0, 61, (n, 7), generator=g)
         return (ids,), ids
+    if kind == "cancel":  # samples 0, 2, 4, ... of each batch: targets summing to 0 over positions (they cancel)
+        x = torch.randn(n, 6, 64, generator=g) + 300 * torch.randn(1, 1, 64, generator=g)
+        y = torch.randn(n, 6, 32, generator=g)
+        y[0::2] -= y[0::2].mean(1, keepdim=True)
+        return (x,), y
     if kind == "big":
         return (torch.randn(n, 500, generator=g, dtype=D),), torch.randn(n, 400, generator=g, dtype=D)
     raise ValueError(kind)
