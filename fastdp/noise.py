@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 
 from fastdp.layers.base import accumulation_dtype
-from fastdp.torch_api import foreach_add_
+from fastdp.torch_api import foreach_add_, intra_op_threads_per_thread
 
 
 def noise_dtype(param: torch.Tensor) -> torch.dtype:
@@ -153,11 +153,13 @@ def noisy_means(params: Sequence[torch.Tensor], sums: dict[torch.Tensor, torch.T
         for i in run:
             out[i] = noisy_mean(params[i], sums.pop(params[i], None), std, batch_size, child)
 
+    threads = torch.get_num_threads()
     pool = _noise_pool()
     futures = [pool.submit(draw, run, child) for run, child in zip(runs[1:], children[1:], strict=True)]
     draw(runs[0], children[0])
     for f in futures:
         f.result()
+    _restore_default_threads(threads)
     return out  # type: ignore[return-value]  # every slot is filled: the runs partition the indices
 
 
@@ -230,7 +232,30 @@ def _child_generator(parent: torch.Generator | None) -> torch.Generator:
 @lru_cache(maxsize=1)
 def _noise_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, NOISE_THREADS - 1),
-                                                 thread_name_prefix="fastdp-noise")
+                                                 thread_name_prefix="fastdp-noise", initializer=_worker_threads)
+
+
+def _worker_threads() -> None:
+    """A noise worker's torch operations run on the worker alone (it is itself one of the step's noise threads).
+
+    Under OpenMP (torch's CPU parallel backend on Linux and Windows) every thread that runs a parallel operation
+    gets its own team of ``torch.get_num_threads()`` threads, kept for the life of the process. With the worker's
+    team beside the main thread's there are more OpenMP threads than cores, and libgomp then spins only briefly
+    before sleeping: every later parallel operation of the main thread (the training step's, not only the engine's)
+    waits for its team to be woken. On a 2-core machine small operations took 3-7 times as long after one noise
+    step (``benchmarks/noise_threads.py``). The setting is per thread under OpenMP; elsewhere (torch's native pool,
+    shared by all threads) nothing is changed."""
+    if intra_op_threads_per_thread():
+        torch.set_num_threads(1)
+
+
+def _restore_default_threads(threads: int) -> None:
+    """Undo what a worker's :func:`_worker_threads` set beyond itself: ``torch.set_num_threads`` also stores its
+    value as the count every thread that starts later begins with (and sizes torch's shared pthreadpool). Called on
+    the thread that drew the noise with its own count (unchanged by the worker): the same count for it, and its
+    count again for threads started later."""
+    if intra_op_threads_per_thread() and torch.get_num_threads() == threads:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------- secure mode

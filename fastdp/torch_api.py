@@ -223,6 +223,14 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     return _pytree.tree_map(fn, tree)
 
 
+@functools.lru_cache(maxsize=1)
+def intra_op_threads_per_thread() -> bool:
+    """Whether ``torch.set_num_threads`` acts on the calling thread only: torch's CPU parallel backend is OpenMP,
+    whose thread count is a per-thread setting (torch's native pool is shared by every thread). Read from
+    ``torch.__config__.parallel_info()``, whose text names the backend."""
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 def is_batchnorm(module: nn.Module) -> bool:
     """Whether ``module`` is a BatchNorm of any dimension (their common base ``_BatchNorm`` is private)."""
     return isinstance(module, nn.modules.batchnorm._BatchNorm)

@@ -134,3 +134,42 @@ def test_engine_runs_are_reproducible_and_resume_bit_identically(parallel):
     user_loss(mse_per_sample(cont_model(x), y), "mean").backward()
     opt.step()
     assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), cont_model.parameters(), strict=True))
+
+
+def _threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_the_noise_worker_runs_its_operations_on_itself(parallel):
+    """Under OpenMP a thread that runs a parallel operation gets its own team of torch.get_num_threads() threads for
+    the life of the process; beside the main thread's team the cores are oversubscribed and every later parallel
+    operation of the main thread waits for its team to wake (3-7 times the time of small operations on 2 cores,
+    benchmarks/noise_threads.py). The noise worker sets one thread for itself: a parallel operation on it starts no
+    thread, while the same operation on a plain worker starts a team, and the main thread keeps its count."""
+    import concurrent.futures
+
+    from fastdp.torch_api import intra_op_threads_per_thread
+
+    if not intra_op_threads_per_thread() or torch.get_num_threads() < 2:
+        pytest.skip("needs torch's OpenMP backend and at least 2 intra-op threads")
+    main_threads = torch.get_num_threads()
+    noise.noisy_means(_params((4000, 4000)), {}, 1.0, 2, torch.Generator().manual_seed(0))  # the pool exists now
+    big = torch.zeros(1 << 22)
+    pool = noise._noise_pool()
+    assert pool.submit(torch.get_num_threads).result() == 1
+    before = _threads()
+    pool.submit(torch.add, big, big, out=big).result()
+    assert _threads() == before
+    assert torch.get_num_threads() == main_threads
+    # (a thread started after a noise step begins with the calling thread's count, not the worker's 1)
+    noise.noisy_means(_params((4000, 4000)), {}, 1.0, 2, torch.Generator().manual_seed(0))
+    with concurrent.futures.ThreadPoolExecutor(1) as fresh:
+        assert fresh.submit(torch.get_num_threads).result() == main_threads
+    with concurrent.futures.ThreadPoolExecutor(1) as plain:  # the mechanism: a plain worker starts its team
+        plain.submit(lambda: None).result()
+        before = _threads()
+        plain.submit(torch.add, big, big, out=big).result()
+        assert _threads() > before
