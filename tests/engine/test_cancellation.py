@@ -20,7 +20,7 @@ from oracle import make_engine
 from torch import nn
 
 from fastdp import deferred
-from fastdp.layers import _matmul, _rounding, registry
+from fastdp.layers import _factored, _matmul, _rounding, registry
 
 MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
 EPS = [2.0**-6, 2.0**-12, 1.5 * 2.0**-17, 2.0**-21]
@@ -437,3 +437,31 @@ def test_an_unflagged_sample_is_released_within_the_documented_bound_at_long_seq
     assert got <= math.sqrt(1 + 2.0**-6) + _rounding.CONTRACTION_SHARE, got
     monkeypatch.setattr(_rounding, "CONTRACTION_SHARE", math.inf)  # the check can fail: without the raise
     assert _release_norm(nn.Linear(1, 1, bias=False), lambda m: (m(x) * y).sum(), mode, R) > 1.02
+
+
+def test_a_narrowly_flagged_sample_keeps_the_raised_norm(flagged_norms):
+    """``exact_flagged`` takes a flagged sample apart only where the raise would cost more than ``EXACT_WORTH`` of its
+    norm: at ``sq / err`` = 40 (flagged, raised by ``sqrt(1 + 2 / 40)``, 2.5 %) the raised norm stays and nothing is
+    instantiated; at 10 and at a clamped ``sq`` (0) the sample is taken apart; at 100 it is not flagged. (GPT-2's
+    tied head at T 256 flags every sample at 53-64, where instantiating all of them doubled the step's time.)"""
+    if flagged_norms == "raised":
+        pytest.skip("the exact path only runs where a host read is free")
+    g = torch.Generator().manual_seed(0)
+    left, right = torch.randn(4, 1, 3, 5, generator=g), torch.randn(4, 1, 3, 6, generator=g)
+    factors = _factored.Factors(left, right)
+    exact = _factored.instantiate(factors, torch.float64).flatten(1).norm(dim=1).square().float()
+    err = torch.ones(4)
+    sq = torch.tensor([40.0, 10.0, 0.0, 100.0])
+    bound_sq = torch.full((4,), 1e6)
+    seen = []
+
+    def factors_of(index):
+        seen.append(index.tolist())
+        return [_factored.select(factors, index)]
+
+    out, ex = _rounding.exact_flagged(sq, err, bound_sq, factors_of, (5, 6), positions=3)
+    assert seen == [[1, 2]] and ex is not None and ex.index.tolist() == [1, 2]
+    torch.testing.assert_close(out[1:3], exact[1:3], rtol=1e-6, atol=0)
+    assert abs(float(out[0]) / (40.0 + 2.0) - 1) < 1e-6  # raised by FLAGGED_INFLATION * err, not taken apart
+    assert float(out[3]) == 100.0
+    assert (1 + 2 / 40) ** 0.5 - 1 < _rounding.EXACT_WORTH < (1 + 2 / 10) ** 0.5 - 1
