@@ -66,6 +66,7 @@ import presets  # noqa: E402
 import tables  # noqa: E402
 import workers  # noqa: E402
 import zoo  # noqa: E402
+from results_file import cpu_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.run")
 RESULTS = ROOT / "benchmarks" / "results"
@@ -203,7 +204,7 @@ def run_noise(args: argparse.Namespace, preset: presets.Preset, elements: int) -
 def environment(device: torch.device, threads: int) -> dict:
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "python": platform.python_version(), "device": device.type, "threads": threads,
-           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+           "cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count()}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     for pkg in ("transformers", "timm", "opacus"):

@@ -61,8 +61,9 @@ def _ratio(r: dict, key: str = "time_ratio") -> str:
 def header(results: dict) -> str:
     """Where, when and how a result was measured (one paragraph)."""
     env, cfg = results["env"], results["config"]
-    where = env.get("gpu") or (f"a shared {env.get('cpu_count')}-core {env['cpu']} CPU machine (other jobs ran at "
-                               f"the same time), {env['threads']} threads")
+    model = f" ({env['cpu_model']})" if env.get("cpu_model") else ""
+    where = env.get("gpu") or (f"a shared {env.get('cpu_count')}-core {env['cpu']}{model} CPU machine (other jobs ran "
+                               f"at the same time), {env['threads']} threads")
     text = (f"Generated from `{results['json']}`, measured by `{results['command']}` on {env['date']}: {where}, "
             f"torch {env['torch']}, transformers {env.get('transformers')}, timm {env.get('timm')}, opacus "
             f"{env.get('opacus')}, fastdp commit {env.get('commit')}"

@@ -597,3 +597,23 @@ def test_cancellation_accuracy_runs_and_samples_taken_apart_are_exact(tmp_path):
     assert max(r["worst_rel_err"] for r in rows if r["flagged_norms"] == "exact") < 1e-5
     raised = [r for r in rows if r["flagged_norms"] == "raised" and r["style"] == "param-wise"]
     assert min(r["worst_rel_err"] for r in raised) > 0.1
+
+
+def test_noise_threads_times_every_configuration_and_the_ops():
+    """``benchmarks/noise_threads.py``: one process's rounds of each configuration, and the small operations before
+    and after a worker's parallel operation. In child processes, as the script runs them: the ``before`` pool and the
+    plain worker of ``--ops`` leave an OpenMP team behind that would slow every later test of this process."""
+    import subprocess
+    import sys
+
+    import noise_threads
+
+    for config in noise_threads.CONFIGS:
+        out = subprocess.run([sys.executable, noise_threads.__file__, "--child", "cnn", "32", config, "--reps", "1",
+                              "--warmup", "0"], check=True, capture_output=True, text=True).stdout
+        times = json.loads(out.strip().splitlines()[-1])
+        assert set(times) == ({"non-private"} if config == "no engine" else {"non-private", "private"})
+        assert all(len(v) == 1 and v[0] > 0 for v in times.values())
+    out = subprocess.run([sys.executable, noise_threads.__file__, "--ops"], check=True, capture_output=True,
+                         text=True).stdout
+    assert len([line for line in out.splitlines() if line.endswith(" ms")]) == 6
