@@ -272,6 +272,11 @@ def _exact_path_before() -> contextlib.AbstractContextManager:
                           fastdp.layers._rounding.guarded_sq(sq, err, bound), None))])
 
 
+def _exact_worth_before() -> contextlib.AbstractContextManager:
+    # every flagged sample taken apart, however narrowly flagged (the exact path as first built)
+    return _patched([(fastdp.layers._rounding, "EXACT_WORTH", 0.0)])
+
+
 def _bn_layout_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.torch_api, "DENSE_LAYOUT_DEVICES", frozenset())])
 
@@ -298,6 +303,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "cancellation-guard": _cancellation_guard_before,
     "exact-path": _exact_path_before,
     "bn-layout": _bn_layout_before,
+    "exact-worth": _exact_worth_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))
