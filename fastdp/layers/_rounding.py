@@ -125,8 +125,8 @@ EXACT_MAX_NUMBERS = 1 << 24
 #: keeps the raised norm, over-clipped by at most ``sqrt(1 + 2 / 31.5) - 1 = 3.1 %`` beyond the rounding itself.
 #: GPT-2's tied embedding and LM head (vocabulary 8000, T 256, at initialisation) flags every sample at ``sq / err``
 #: 53-64, where the worst-case bound is loose (the Grams' norm came out within 3e-7 of the exact one); taking all 8
-#: samples apart (8 x 2 M numbers formed in float64) took the step from 1.20x to 2.01x non-private training and its
-#: live memory from 1.00x to 1.42x (docs/results/benchmarks.md).
+#: samples apart (8 x 2 M numbers formed in float64) took the step from 1.19x to 1.93x non-private training and its
+#: live tensors from 1.00x to 1.42x (lever ``exact-worth`` of benchmarks/levers.py; docs/internals/clipping.md).
 EXACT_WORTH = 2.0 ** -5
 
 
