@@ -102,9 +102,13 @@ def ops(reps: int) -> dict[str, float]:
     inner = lambda: (a * b).sum(dim=(1, 2, 3), dtype=torch.float64)  # noqa: E731
     norm = lambda: torch.linalg.vector_norm(a, dim=(-2, -1))  # noqa: E731
     out = {"inner, no worker": bench(inner), "norm, no worker": bench(norm)}
+    threads = torch.get_num_threads()
     with concurrent.futures.ThreadPoolExecutor(1, initializer=_worker_threads) as pool:
         pool.submit(torch.add, big, big, out=big).result()
         out["inner, worker with the setting"], out["norm, worker with the setting"] = bench(inner), bench(norm)
+    # (as fastdp.noise does after each step: the count a new thread starts with, which the setting also stored, back
+    # to this thread's; otherwise the plain worker below would start with one thread and no team)
+    torch.set_num_threads(threads)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(torch.add, big, big, out=big).result()
         out["inner, worker without it"], out["norm, worker without it"] = bench(inner), bench(norm)

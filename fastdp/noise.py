@@ -242,7 +242,7 @@ def _worker_threads() -> None:
     gets its own team of ``torch.get_num_threads()`` threads, kept for the life of the process. With the worker's
     team beside the main thread's there are more OpenMP threads than cores, and libgomp then spins only briefly
     before sleeping: every later parallel operation of the main thread (the training step's, not only the engine's)
-    waits for its team to be woken. On a 2-core machine small operations took 3-7 times as long after one noise
+    waits for its team to be woken. On a 2-core machine small operations took 4-8 times as long after one noise
     step (``benchmarks/noise_threads.py``). The setting is per thread under OpenMP; elsewhere (torch's native pool,
     shared by all threads) nothing is changed."""
     if intra_op_threads_per_thread():

@@ -146,7 +146,7 @@ def _threads() -> int:
 def test_the_noise_worker_runs_its_operations_on_itself(parallel):
     """Under OpenMP a thread that runs a parallel operation gets its own team of torch.get_num_threads() threads for
     the life of the process; beside the main thread's team the cores are oversubscribed and every later parallel
-    operation of the main thread waits for its team to wake (3-7 times the time of small operations on 2 cores,
+    operation of the main thread waits for its team to wake (4-8 times the time of small operations on 2 cores,
     benchmarks/noise_threads.py). The noise worker sets one thread for itself: a parallel operation on it starts no
     thread, while the same operation on a plain worker starts a team, and the main thread keeps its count."""
     import concurrent.futures
