@@ -50,14 +50,9 @@ def _patch_before() -> None:
 
     from fastdp import noise
 
-    noise._noise_pool.cache_clear()
-    noise._noise_pool = lambda: _POOL  # type: ignore[assignment]
-    global _POOL
-    _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, noise.NOISE_THREADS - 1),
-                                                  thread_name_prefix="fastdp-noise")
-
-
-_POOL = None
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, noise.NOISE_THREADS - 1),
+                                                 thread_name_prefix="fastdp-noise")
+    noise._noise_pool = lambda: pool  # type: ignore[assignment]
 
 
 def run_process(model: str, size: int, config: str, reps: int, warmup: int) -> dict[str, list[float]]:
