@@ -498,7 +498,7 @@ class Capture:
             activation = kind.capture(module, inputs)
             if broadcast and activation.dim() >= 1 and activation.shape[0] == 1:
                 activation = activation.expand(B * fold, *activation.shape[1:])
-            activation = batchdim.unfold_rows(activation, fold)
+            activation = kind.unfold_rows(activation, fold)
         rec = Record(module=module, kind=kind, names=names, activation=activation, forward=self.current_forward(),
                      rootless=not self.roots, fold=fold)
         if self.pending and _same_tensor(self.pending[-1].activation, activation):  # q, k, v: one input, kept once
@@ -535,7 +535,7 @@ class Capture:
                 f"a second backward pass reached the same forward call of {type(rec.module).__name__}: each "
                 "sample may contribute once per logical step. Do not call backward twice on one graph "
                 "(retain_graph=True) under a PrivacyEngine.")
-        grad = batchdim.unfold_rows(grad.detach(), rec.fold)
+        grad = rec.kind.unfold_rows(grad.detach(), rec.fold)
         if rec.activation is None and rec.kind.replayable:  # bias-only: keep B x p, not B x T x p
             # a float32 (or wider) sum over positions: no product, so neither autocast nor a TF32 / bf16 setting
             # changes it, and it runs without the clipping stage's numerics switch (about 25 us per hook)

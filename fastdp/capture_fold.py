@@ -104,9 +104,10 @@ def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, 
         raise RuntimeError(batchdim.no_batch_message(label, chain, [torch.empty(rows, 0)], B))
     if not foldable:
         raise RuntimeError(
-            f"{head}, a channel-first layer: fastdp unfolds such rows for layers whose middle dimensions are "
-            "positions (Linear, Embedding, LayerNorm, RMSNorm, HF Conv1D), not for convolutions or channel "
-            "norms. Keep the batch dimension first in the model's forward, or freeze the module's parameters.")
+            f"{head}, a channel-first layer: fastdp unfolds such rows for layers whose rows are positions "
+            "(Linear, Embedding, LayerNorm, RMSNorm, HF Conv1D, eval-mode BatchNorm), not for convolutions, "
+            "GroupNorm or InstanceNorm, which treat each row on its own. Keep the batch dimension first in the "
+            "model's forward, or freeze the module's parameters.")
     if B is None or B < 2:  # a batch of one: every row is its sample's
         return k
     if not cap.engine.verify_structure:

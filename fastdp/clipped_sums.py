@@ -123,8 +123,11 @@ def _replay_grads(rec: Record, names: list[str], coef: torch.Tensor) -> dict[str
         leaves = {n: to_accumulation(getattr(module, n).detach()).requires_grad_(True) for n in names}
         operand = getattr(rec.kind, "operand_activation", None)  # the input as the norms read it (bf16 products)
         act = rec.activation if operand is None else operand(rec.activation, rec.grad_output)
-        out = functional_call(module, leaves, (to_accumulation(act),))
         g = to_accumulation(rec.grad_output)
+        if rec.fold > 1:  # the module called on its rows as it saw them, each row weighted by its sample's coef
+            act, g = rec.kind.fold_rows(act, rec.fold), rec.kind.fold_rows(g, rec.fold)
+            coef = coef.repeat_interleave(rec.fold)
+        out = functional_call(module, leaves, (to_accumulation(act),))
         # the product in float32: under a loss scale, coef is ~1/S and g ~S (either alone may leave float16's range)
         weights = (g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))).to(out.dtype)
         grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=weights)

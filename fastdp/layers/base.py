@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fastdp.layers import _factored, _rounding
+from fastdp.layers import _factored, _rounding, batchdim
 from fastdp.layers._factored import Factors
 from fastdp.layers.spec import DocRow, OracleCase, Refusal
 from fastdp.torch_api import ieee_float32
@@ -98,8 +98,9 @@ class LayerKind:
     #: a position the math sums over (Linear, Embedding, LayerNorm, RMSNorm): then a call that sees the batch
     #: folded into dimension 0 (``k B`` rows, sample ``i`` owning rows ``i k .. i k + k - 1``, as
     #: ``x.reshape(-1, d)`` makes them) is the same call on ``(B, k, ...)``: the engine unflattens dimension 0 and
-    #: the kind sees ``k`` more positions (:mod:`fastdp.layers.batchdim`). Channel-first kinds (convolutions,
-    #: GroupNorm) are not: their dimension 1 is the channel.
+    #: the kind sees ``k`` more positions (:mod:`fastdp.layers.batchdim`, :meth:`unfold_rows`). Eval-mode
+    #: BatchNorm is too (the same affine map at every row; its rows go behind the channel). Convolutions,
+    #: GroupNorm and InstanceNorm are not: each row is convolved or normalised on its own.
     foldable: ClassVar[bool] = False
     #: qualified class names (``"package.module.Class"``) of optional packages' modules this kind handles.
     module_type_names: ClassVar[tuple[str, ...]] = ()
@@ -136,6 +137,18 @@ class LayerKind:
     def batch_size(self, activation: torch.Tensor | None, grad_output: torch.Tensor) -> int:
         """The per-sample dimension of a recorded call."""
         return grad_output.shape[0]
+
+    def unfold_rows(self, t: torch.Tensor, fold: int) -> torch.Tensor:
+        """A :attr:`foldable` call's kept input or output gradient, ``(k B, ...)`` as the module saw it, in the layout
+        :meth:`prepare` reads (``fold`` is ``k``; 1: unchanged). Default ``(B, k, ...)``: the ``k`` rows of a sample
+        become a position dimension after the batch (:func:`fastdp.layers.batchdim.unfold_rows`), where kinds whose
+        trailing dimensions are the parameter's sum over it."""
+        return batchdim.unfold_rows(t, fold)
+
+    def fold_rows(self, t: torch.Tensor, fold: int) -> torch.Tensor:
+        """The inverse of :meth:`unfold_rows`: a kept tensor back in the ``(k B, ...)`` layout the module saw (a
+        replay calls the module on it)."""
+        return t.flatten(0, 1) if fold > 1 else t
 
     def prepare(self, module: nn.Module, activation: torch.Tensor | None, grad_output: torch.Tensor) -> Any:
         """Kind-specific canonical form of a recorded call, shared by the operations below."""

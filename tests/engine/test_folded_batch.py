@@ -20,6 +20,7 @@ from model_oracle import check_engine, cls_loss, mse_loss
 from oracle import MODES, make_engine, user_loss
 from torch import nn
 
+from fastdp.layers._norm import with_running_statistics
 from fastdp.probe import StructureError
 
 D = torch.float64
@@ -127,6 +128,46 @@ def test_bias_only_folded_matches_the_oracle(mode):
     check_engine(model, mse_loss, _mlp_batches([3, 1], 4), mode=mode)
 
 
+class FoldedBatchNorms(nn.Module):
+    """Eval-mode BatchNorms on rows with the positions folded in (LeViT's ``bn(x.flatten(0, 1))``): 1d on ``(B T,
+    C)`` and ``(B T, C, L)``, 2d on ``(B T, C, H, W)``, each a per-channel affine map at every position."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, DIM)
+        self.fc = nn.Linear(DIM, 6)
+        self.bn1 = with_running_statistics(nn.BatchNorm1d(6))
+        self.bn3 = with_running_statistics(nn.BatchNorm1d(3))  # 3 channels: a batch size the tests use
+        self.bn2d = with_running_statistics(nn.BatchNorm2d(2))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids):
+        B, t = ids.shape
+        f = self.bn1(self.fc(self.emb(ids)).reshape(-1, 6))  # (B T, 6)
+        f = self.bn3(torch.tanh(f).view(-1, 3, 2)).view(-1, 6)  # (B T, 3, 2)
+        f = self.bn2d(torch.tanh(f).view(-1, 2, 1, 3)).view(B, t, 6)  # (B T, 2, 1, 3)
+        return self.head(torch.tanh(f).mean(1))
+
+
+@pytest.mark.parametrize("mode,fn,style,reduction", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("sizes", [[3, 1], [T], [1]], ids=["B=3,1", "B=T", "B=1"])
+def test_eval_batch_norms_on_folded_rows_match_the_oracle(mode, fn, style, reduction, sizes):
+    """A sample's ``k`` rows become positions behind the channel (``BatchNormEvalKind.unfold_rows``)."""
+    torch.manual_seed(5)
+    check_engine(FoldedBatchNorms().to(D), mse_loss, _mlp_batches(sizes, 6), mode=mode, fn=fn, style=style,
+                 reduction=reduction, where="below" if sizes == [1] else "middle")
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost"])
+def test_eval_batch_norm_biases_on_folded_rows_match_the_oracle(mode):
+    """DP-BiTFiT through folded BatchNorms: the output gradients summed over a sample's rows as they arrive."""
+    torch.manual_seed(6)
+    model = FoldedBatchNorms().to(D)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.endswith("bias"))
+    check_engine(model, mse_loss, _mlp_batches([3, 1], 7), mode=mode)
+
+
 def _step(model, batches, loss=mse_loss, **kw):
     engine = make_engine(model, batch_size=sum(len(y) for _, y in batches), mode="BK-MixOpt", fn="abadi",
                          style="all-layer", reduction="mean", **kw)
@@ -212,11 +253,20 @@ class FoldedConv(nn.Module):
         return self.conv(x.flatten(0, 1)).view(B, -1).sum(1, keepdim=True)
 
 
-def test_channel_first_fold_is_refused():
+@pytest.mark.parametrize("make", [lambda: nn.Conv1d(2, 2, 3, padding=1), lambda: nn.GroupNorm(1, 2),
+                                  lambda: nn.InstanceNorm1d(2, affine=True)],
+                         ids=["Conv1d", "GroupNorm", "InstanceNorm"])
+def test_channel_first_fold_is_refused(make):
+    """Layers that treat each row on its own (a convolution, GroupNorm's and InstanceNorm's per-row statistics):
+    a sample's rows are not positions of one call, so they stay refused (eval-mode BatchNorm, a per-channel affine
+    map at every row, is unfolded: above)."""
     torch.manual_seed(9)
+    model = FoldedConv().to(D)
+    model.conv = make().to(D)
+    name = type(model.conv).__name__
     x = torch.randn(2, 3, 2, 5, dtype=D)
-    with pytest.raises(RuntimeError, match=r"size 6 = 3 \* 2\) before module 'conv' \(Conv1d\), a channel-first"):
-        _step(FoldedConv().to(D), [((x,), torch.randn(2, 1, dtype=D))])
+    with pytest.raises(RuntimeError, match=rf"size 6 = 3 \* 2\) before module 'conv' \({name}\), a channel-first"):
+        _step(model, [((x,), torch.randn(2, 1, dtype=D))])
 
 
 class MoeBlock(nn.Module):

@@ -251,12 +251,25 @@ def test_levit_with_frozen_eval_batch_norms(mode, sizes):
     check_engine(model, cls_loss, images(sizes, 41 + MODES.index(mode), 32), mode=mode, where="below")
 
 
-def test_levit_with_trainable_batch_norms_is_refused():
-    """Trainable BatchNorm1d over ``(B*N, C)`` rows (the batch folded into the tokens): a channel norm whose rows
-    fastdp does not unfold, so the engine refuses and names the module."""
+@pytest.mark.parametrize("sizes", [[3, 1], [4]], ids=["B3+1", "B4-eq-tokens"])
+@pytest.mark.parametrize("mode", MODES)
+def test_levit_with_trainable_eval_batch_norms(mode, sizes):
+    """Trainable BatchNorms in eval mode, among them BatchNorm1d over ``(B*N, C)`` rows (the batch folded into the
+    tokens, ``attn.qkv.bn``): a per-channel affine map at every row, so a sample's rows are positions of its call
+    (``BatchNormEvalKind.unfold_rows``). Exact in every mode; it was refused, naming the module."""
+    model = _eval_batch_norms(levit(50 + MODES.index(mode)), frozen=False)
+    check_engine(model, cls_loss, images(sizes, 51 + MODES.index(mode), 32), mode=mode, where="below")
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost"])
+def test_levit_bias_only(mode):
+    """DP-BiTFiT on LeViT: the biases of its BatchNorms (its block Linears have none), folded ones included, summed
+    over a sample's rows as their output gradients arrive, and of its head's Linear."""
     model = _eval_batch_norms(levit(49), frozen=False)
-    with pytest.raises(RuntimeError, match=r"attn\.qkv\.bn.*BatchNorm1d.*freeze"):
-        check_engine(model, cls_loss, images([3, 1], 49, 32), mode="BK-MixOpt", where="below")
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.endswith("bias"))
+    assert any(".qkv.bn.bias" in n for n, p in model.named_parameters() if p.requires_grad)
+    check_engine(model, cls_loss, images([3, 1], 49, 32), mode=mode, where="below")
 
 
 def xcit(seed):
