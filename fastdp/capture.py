@@ -46,6 +46,7 @@ from fastdp import (
 )
 from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import batchdim, checkpointing, expand, generic, layout
+from fastdp.layers import broadcast as broadcast_rows
 from fastdp.layers.base import LayerKind, clipping_precision
 from fastdp.norms import instantiate_on_arrival
 from fastdp.plan import Plan, PlanEntry, trainable_change
@@ -505,6 +506,8 @@ class Capture:
             rec.readers = self.pending[-1].readers
             rec.readers[0] += 1
         out = self.hook_output(out, rec, 0)
+        if broadcast and type(out) is torch.Tensor:  # repeated over the batch as the unexpanded output would be
+            out = broadcast_rows.batch_rows(out, out.shape[0])
         self.pending.append(rec)
         return out if out is not output else None
 

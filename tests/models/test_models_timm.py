@@ -296,9 +296,15 @@ def test_xcit_with_a_frozen_position_encoder(mode, sizes):
     check_engine(model, cls_loss, images(sizes, 51 + MODES.index(mode), 32), mode=mode, where="below")
 
 
-def test_xcit_with_a_trainable_position_encoder_is_refused():
-    """The position encoder's convolution runs once on a grid (no batch dimension) and its output is repeated over
-    the batch from the root's forward: the root would own it next to its expanded class token, which the engine
-    refuses, naming the parameters."""
-    with pytest.raises(RuntimeError, match=r"expanded \('cls_token',\) but owns .*pos_embed\.token_projection"):
-        check_engine(xcit(59), cls_loss, images([3, 1], 59, 32), mode="BK-MixOpt", where="below")
+@pytest.mark.parametrize("sizes", [[3, 1], [4]], ids=["B3+1", "B4-eq-patches"])
+@pytest.mark.parametrize("mode", MODES)
+def test_xcit_with_a_trainable_position_encoder(mode, sizes):
+    """The position encoder's convolution runs once on a grid (no batch dimension) and its output is
+    ``repeat``-ed over the batch: the engine expands the output so its gradient arrives per sample, and the
+    model's ``repeat(B, 1, 1, 1)`` of it gives the expanded rows (``fastdp.layers.broadcast``). Exact in every mode;
+    it was refused (the root would have owned the encoder next to its expanded class token)."""
+    model = xcit(60 + MODES.index(mode))
+    assert model.pos_embed.token_projection.weight.requires_grad
+    check_engine(model, cls_loss, images(sizes, 61 + MODES.index(mode), 32), mode=mode, where="below")
+
+
