@@ -92,6 +92,10 @@ Levers:
   ``fastdp.layers._matmul.GRAM_STRIP``), their inner product weighting the blocks above the diagonal twice; before:
   the full Gram matrices. ``--flops`` counts the multiply-adds; ``--widths paper --sizes 512 --batch 2`` measures
   it where the ghost norms are long.
+* ``gram-chunks``: a Gram matrix whose rows are wider than ``fastdp.layers._matmul.GRAM_CHUNK`` (a vocabulary-wide
+  LM head's output gradients) summed in chunks of columns, its rounding bound charged with the chunk width
+  (``gram_width``), so the cancellation guard no longer flags what that bound's looseness flagged (GPT-2's tied head
+  at T 256); before: one product over the whole width. The exact path's cost on flagged samples goes with it.
 
 ``python benchmarks/levers.py --gram-ops`` times the ghost norm's Gram products with 1 (whole), 2, 4, 8 and 16 strips on
 a few layer shapes (``fastdp.layers._matmul.GRAM_STRIP`` is chosen from it); ``--gram-ops --odd-t`` times them at a
@@ -277,6 +281,11 @@ def _exact_worth_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.layers._rounding, "EXACT_WORTH", 0.0)])
 
 
+def _gram_chunks_before() -> contextlib.AbstractContextManager:
+    # every Gram product over the whole width of its rows (the rounding bound charged with that width)
+    return _patched([(fastdp.layers._matmul, "GRAM_CHUNK", {})])
+
+
 def _bn_layout_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.torch_api, "DENSE_LAYOUT_DEVICES", frozenset())])
 
@@ -304,6 +313,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "exact-path": _exact_path_before,
     "bn-layout": _bn_layout_before,
     "exact-worth": _exact_worth_before,
+    "gram-chunks": _gram_chunks_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))

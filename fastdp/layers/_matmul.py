@@ -172,7 +172,7 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
         return sq, torch.zeros_like(sq), sq
     aat = input_grams(A, narrow) if share else gram_strips(A, narrow)
     ggt = gram_strips(G, narrow)
-    d, p = A.shape[-1], G.shape[-1]
+    d, p = gram_width(A), gram_width(G)  # the rounding of each Gram's entries, as gram_strips summed them
     if len(aat) == 1:
         return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
     na, ng = strips_diagonal_norms(aat), strips_diagonal_norms(ggt)
@@ -207,6 +207,52 @@ GRAM_STRIP = {"cpu": (64, 4), "default": (1, 1)}
 GRAM_ALIGN: dict[str, int] = {}
 
 
+#: on these device types a Gram matrix ``X X^T`` whose rows are wider than the value (a language model head's
+#: output gradients, vocabulary wide) is summed in chunks of at most that many columns, each chunk's product formed
+#: on its own and the chunks then added (:func:`gram_product`): an entry's rounding is then bounded by ``(w + c) u``
+#: of its terms' magnitudes (``w`` the chunk width, ``c`` the chunks: :func:`gram_width`) instead of ``m u`` for the
+#: whole width ``m``, in any order of summation within a product. The cancellation guard (fastdp/layers/_rounding.py)
+#: charges that bound, so a ghost norm whose worst-case rounding was within ``1 / 64`` of it is no longer flagged:
+#: GPT-2's tied embedding and LM head (vocabulary 8000, T 256) flagged every sample at ``sq / err`` 53-64, its
+#: output Gram's width-8000 term 100 times its input Gram's (lever ``gram-chunks`` of benchmarks/levers.py).
+#: Not on other devices (not measured there: each chunk is one more product call).
+GRAM_CHUNK: dict[str, int] = {"cpu": 1024}
+
+
+def _chunking(X: torch.Tensor) -> tuple[int, int]:
+    """``(w, c)``: :func:`gram_product`'s chunk width and chunk count for rows of ``X``'s width ``m`` (``(m, 1)``:
+    one product)."""
+    m = X.shape[-1]
+    limit = GRAM_CHUNK.get(X.device.type, 0)  # (read at the call: tests and benchmarks set it)
+    if limit < 1 or m <= limit:
+        return m, 1
+    c = -(-m // limit)
+    return -(-m // c), c
+
+
+def gram_width(X: torch.Tensor) -> int:
+    """The width a :func:`gram_strips` entry of ``X`` ``(..., m)`` is charged with by the rounding bound
+    (:func:`fastdp.layers._rounding.gram_rounding`): ``m`` for one product; ``w + c`` for ``c`` chunks of at most
+    ``w`` columns (:func:`gram_product`). A chunk's sum of ``w`` products is off by at most ``(w - 1) u`` of its
+    terms' magnitudes in any order, and the ``c - 1`` additions of the chunks' sums by at most ``(c - 1) u`` of all
+    of them, so an entry by at most ``(w + c - 2) u sum_k |x_k y_k|``."""
+    w, c = _chunking(X)
+    return w if c == 1 else w + c
+
+
+def gram_product(x: torch.Tensor, y: torch.Tensor, narrow: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ y`` (``x`` ``(..., h, m)``, ``y`` ``(..., m, n)``, rows of one :func:`gram_strips` matrix) as
+    :func:`product` forms it, in chunks of columns where ``m`` exceeds :data:`GRAM_CHUNK` (:func:`gram_width`): each
+    chunk's product on its own, then their sum in float32."""
+    w, c = _chunking(x)
+    if c == 1:
+        return product(x, y, narrow)
+    out = product(x[..., :w], y[..., :w, :], narrow)
+    for lo in range(w, x.shape[-1], w):
+        out.add_(product(x[..., lo:lo + w], y[..., lo:lo + w, :], narrow))
+    return out
+
+
 def strip_count(X: torch.Tensor) -> int:
     """``K = min(K_max, T // h)`` (at least 1) strips for ``X`` ``(B, g, T, m)`` on its device (:data:`GRAM_STRIP`),
     not counting the strip of :func:`leading_rows`; ``T`` is then the positions after it."""
@@ -233,16 +279,17 @@ def gram_strips(X: torch.Tensor, narrow: torch.dtype | None = None) -> list[torc
 
     A Gram matrix is symmetric, so the strips hold everything; ``K`` strips take about ``(K + 1) / 2K`` of the full
     product's multiply-adds (5/8 for 4 strips), and the largest is ``h x T``, not ``T x T``. One strip (``K = 1``,
-    ``r = 0``): the full Gram matrix. ``narrow``: the products as :func:`product` forms them."""
+    ``r = 0``): the full Gram matrix. ``narrow``: the products as :func:`product` forms them; rows wider than
+    :data:`GRAM_CHUNK` in chunks of columns (:func:`gram_product`, charged :func:`gram_width`)."""
     T = X.shape[2]
     r = leading_rows(X)
     K = strip_count(X)
     if K == 1 and r == 0:
-        return [product(X, X.transpose(-1, -2), narrow)]
+        return [gram_product(X, X.transpose(-1, -2), narrow)]
     h = -(-(T - r) // K)
     starts = ([0] if r else []) + list(range(r, T, h))
     ends = starts[1:] + [T]
-    return [product(X[:, :, lo:hi], X[:, :, lo:].transpose(-1, -2), narrow)
+    return [gram_product(X[:, :, lo:hi], X[:, :, lo:].transpose(-1, -2), narrow)
             for lo, hi in zip(starts, ends, strict=True)]
 
 

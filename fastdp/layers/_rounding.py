@@ -123,10 +123,12 @@ EXACT_MAX_NUMBERS = 1 << 24
 #: :func:`exact_flagged` takes a flagged sample apart only where its raised norm exceeds its computed one by more than
 #: this share (``sq / err`` below about 31.5): a sample flagged narrowly (``31.5 <= sq / err < CANCELLATION_GUARD``)
 #: keeps the raised norm, over-clipped by at most ``sqrt(1 + 2 / 31.5) - 1 = 3.1 %`` beyond the rounding itself.
-#: GPT-2's tied embedding and LM head (vocabulary 8000, T 256, at initialisation) flags every sample at ``sq / err``
-#: 53-64, where the worst-case bound is loose (the Grams' norm came out within 3e-7 of the exact one); taking all 8
-#: samples apart (8 x 2 M numbers formed in float64) took the step from 1.19x to 1.93x non-private training and its
-#: live tensors from 1.00x to 1.42x (lever ``exact-worth`` of benchmarks/levers.py; docs/internals/clipping.md).
+#: GPT-2's tied embedding and LM head (vocabulary 8000, T 256, at initialisation) flagged every sample at ``sq /
+#: err`` 53-64, where the worst-case bound was loose (the Grams' norm came out within 3e-7 of the exact one); taking
+#: all 8 samples apart (8 x 2 M numbers formed in float64) took the step from 1.19x to 1.93x non-private training and
+#: its live tensors from 1.00x to 1.42x (lever ``exact-worth`` of benchmarks/levers.py; docs/internals/clipping.md).
+#: Its wide output Gram is now summed in chunks (:data:`fastdp.layers._matmul.GRAM_CHUNK`): ``sq / err`` 267, not
+#: flagged.
 EXACT_WORTH = 2.0 ** -5
 
 
