@@ -175,7 +175,7 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
     d, p = gram_width(A), gram_width(G)  # the rounding of each Gram's entries, as gram_strips summed them
     if len(aat) == 1:
         return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
-    na, ng = strips_diagonal_norms(aat), strips_diagonal_norms(ggt)
+    na, ng = strips_diagonal_norms(aat, d), strips_diagonal_norms(ggt, p)
     red = _rounding.reduction_width(aat[0].dtype, A.shape[1] * A.shape[2] ** 2)  # the final sum's rounding
     err = (_rounding.gram_rounding(strips_frobenius(ggt), na, na, d + red)
            + _rounding.gram_rounding(strips_frobenius(aat), ng, ng, p))
@@ -325,10 +325,11 @@ def strips_frobenius(P: list[torch.Tensor]) -> torch.Tensor:
     return total.sqrt()
 
 
-def strips_diagonal_norms(P: list[torch.Tensor]) -> torch.Tensor:
+def strips_diagonal_norms(P: list[torch.Tensor], width: int = 0) -> torch.Tensor:
     """``(B, g, T)``: the positions' norms, from the diagonal of the Gram matrix that :func:`gram_strips` cut (each
-    strip's leading square block holds its part of it)."""
-    parts = [_rounding.diagonal_norms(p[..., :p.shape[2]]) for p in P]
+    strip's leading square block holds its part of it), each at least the true one for entries of ``width``
+    products (:func:`fastdp.layers._rounding.diagonal_norms`)."""
+    parts = [_rounding.diagonal_norms(p[..., :p.shape[2]], width) for p in P]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
@@ -512,7 +513,8 @@ class OuterProductKind(LayerKind):
         A, G = ctx
         if name == "bias" or A is None:  # the bias's sum reads G summed over positions, as its instantiation does
             return sq
-        a_norms = torch.linalg.vector_norm(A, dim=-1, dtype=torch.promote_types(A.dtype, torch.float32))
+        a_norms = torch.linalg.vector_norm(A, dim=-1, dtype=torch.promote_types(A.dtype, torch.float64)).to(
+            torch.promote_types(A.dtype, torch.float32))  # (squares in float64: none falls below the normal range)
         return _rounding.guard_contracted(sq, A, A.shape[-1], a_norms, G)
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:

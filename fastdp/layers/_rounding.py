@@ -51,10 +51,12 @@ def inner_parts(u: Factors, v: Factors, dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 def position_norms(s: Side, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, g, T)``: the norms of a factor's rows (1 for a one-hot factor)."""
+    """``(B, g, T)``: the norms of a factor's rows (1 for a one-hot factor), their squares summed in float64, where
+    no square of a float32 entry falls below the normal range (in float32 a row of entries below ``2^-75`` has norm
+    0, and a triangle bound taken from it would be no bound)."""
     if isinstance(s, OneHot):
         return torch.ones(s.ids.shape, dtype=dtype, device=s.ids.device)
-    return torch.linalg.vector_norm(s.to(dtype), dim=-1)
+    return torch.linalg.vector_norm(s, dim=-1, dtype=torch.promote_types(dtype, torch.float64)).to(dtype)
 
 
 def norm_bound(f: Factors, dtype: torch.dtype) -> torch.Tensor:
@@ -82,16 +84,23 @@ FLAGGED_INFLATION = 2.0
 
 
 def gram_rounding(other_fro: torch.Tensor, norms_t: torch.Tensor, norms_s: torch.Tensor, width: int) -> torch.Tensor:
-    """``(B,)``: ``u width sum_j ||x_j|| ||y_j|| ||M_j||_F``, a bound of what the rounding of one Gram ``X Y^T`` moves
-    ``<X Y^T, M>`` (per group ``j``, summed). An entry of ``width`` products is off by at most ``(width - 1) u sum_k
-    |x_tk y_sk| <= width u ||x_t|| ||y_s||`` in any order of summation (``u`` the unit roundoff of its dtype), and
-    ``sum_{t,s} ||x_t|| ||y_s|| |M_ts| <= ||(||x_t||)_t|| ||(||y_s||)_s|| ||M||_F`` (Cauchy-Schwarz): two reductions
-    of ``M`` instead of a matrix-vector product per Gram, within about 2x of the sum itself on random positions.
-    ``other_fro`` ``(B, g)``: ``||M_j||_F`` of the Gram it is paired with (:func:`frobenius`); ``norms_t``,
-    ``norms_s``: ``(B, g, Tx)``, ``(B, g, Ty)``, the rows' norms of ``X`` and ``Y``."""
-    u = torch.finfo(other_fro.dtype).eps / 2
+    """``(B,)``: ``width sum_j (u ||x_j|| ||y_j|| + eta sqrt(Tx Ty)) ||M_j||_F``, a bound of what the rounding of one
+    Gram ``X Y^T`` moves ``<X Y^T, M>`` (per group ``j``, summed). An entry of ``width`` products is off by at most
+    ``(width - 1) u sum_k |x_tk y_sk| <= width u ||x_t|| ||y_s||`` in any order of summation (``u`` the unit roundoff
+    of its dtype), plus ``eta`` (half the smallest subnormal, ``2^-150`` in float32) for each product or
+    multiply-add whose result falls below the normal range (a sum of subnormals is exact). ``sum_{t,s} ||x_t|| ||y_s||
+    |M_ts| <= ||(||x_t||)_t|| ||(||y_s||)_s|| ||M||_F`` and ``sum_{t,s} |M_ts| <= sqrt(Tx Ty) ||M||_F``
+    (Cauchy-Schwarz): two reductions of ``M`` instead of a matrix-vector product per Gram, within about 2x of the sum
+    itself on random positions. The underflow term is far below the relative one unless one operand's products
+    underflow while the other's Gram is huge (a red-team pass, 2026-11-28: output gradients of ``2^-76`` against
+    inputs of ``2^60`` gave a Gram of exact zeros, a ghost norm of 0 and 100 R released). ``other_fro`` ``(B, g)``:
+    ``||M_j||_F`` of the Gram it is paired with (:func:`frobenius`); ``norms_t``, ``norms_s``: ``(B, g, Tx)``,
+    ``(B, g, Ty)``, the rows' norms of ``X`` and ``Y``."""
+    info = torch.finfo(other_fro.dtype)
+    u, eta = info.eps / 2, info.tiny * info.eps / 2
     lengths = torch.linalg.vector_norm(norms_t, dim=-1) * torch.linalg.vector_norm(norms_s, dim=-1)
-    return (lengths * other_fro).sum(-1) * (u * max(width, 1))
+    lengths = lengths * u + eta * math.sqrt(norms_t.shape[-1] * norms_s.shape[-1])
+    return (lengths * other_fro).sum(-1) * max(width, 1)
 
 
 def frobenius(gram: torch.Tensor) -> torch.Tensor:
@@ -109,12 +118,14 @@ def reduction_width(dtype: torch.dtype, products: int) -> int:
 
 def guarded_sq(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:
     """``sq`` ``(B,)`` where rounding does not rule it (:data:`CANCELLATION_GUARD`), else ``max(sq, 0) +
-    FLAGGED_INFLATION * err``, at most ``bound_sq`` (the triangle bound's square) times ``1 + 2^-10``. ``err``
-    ``(B,)``: the bound of ``sq``'s rounding (:func:`gram_rounding`, summed over the Grams that gave it). No host
+    FLAGGED_INFLATION * err``, at most ``bound_sq`` (the triangle bound's square, from norms that no rounding
+    undercuts: :func:`diagonal_norms`) times ``1 + 2^-10``. ``err`` ``(B,)``: the bound of ``sq``'s rounding
+    (:func:`gram_rounding`, summed over the Grams that gave it); a NaN ``err`` (``0 * inf``: a Gram that overflowed
+    paired with one that underflowed) is no bound, so the sample is flagged and gets ``bound_sq``. No host
     synchronisation; a NaN ``sq`` stays NaN."""
-    flagged = sq < CANCELLATION_GUARD * err
-    raised = torch.minimum(sq.clamp(min=0) + FLAGGED_INFLATION * err, bound_sq * (1.0 + 2.0 ** -10))
-    return torch.where(flagged, raised, sq)
+    flagged = ~(sq >= CANCELLATION_GUARD * err)
+    raised = torch.fmin(sq.clamp(min=0) + FLAGGED_INFLATION * err, bound_sq * (1.0 + 2.0 ** -10))
+    return torch.where(flagged & ~sq.isnan(), raised, sq)
 
 
 #: the most numbers :func:`exact_flagged` instantiates for one parameter's flagged samples (their count times the
@@ -219,7 +230,7 @@ def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int
     """``(sq, err, bound_sq)`` ``(B,)`` each, for :func:`guarded_sq`, of the ghost norm ``<K_i, L_i>`` of two whole
     symmetric Grams ``(B, g, T, T)`` whose entries are products of ``width_k`` and ``width_l`` numbers (``0``: an
     exact Gram, e.g. a token-equality mask)."""
-    nk, nl = diagonal_norms(K), diagonal_norms(L)
+    nk, nl = diagonal_norms(K, width_k), diagonal_norms(L, width_l)
     err = torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
     red = reduction_width(K.dtype, math.prod(K.shape[1:]))  # the final sum's, charged to one Gram's term
     if width_k:
@@ -249,9 +260,18 @@ def triangle_bound_sq(norms_left: torch.Tensor, norms_right: torch.Tensor | floa
     return (norms_left * norms_right).sum(-1).square().sum(-1)
 
 
-def diagonal_norms(gram: torch.Tensor) -> torch.Tensor:
-    """``(B, g, T)``: ``sqrt`` of a Gram matrix's ``(B, g, T, T)`` diagonal, the positions' norms."""
-    return torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0).sqrt()
+def diagonal_norms(gram: torch.Tensor, width: int = 0) -> torch.Tensor:
+    """``(B, g, T)``: the positions' norms from a Gram matrix's ``(B, g, T, T)`` diagonal, each at least the true one:
+    ``sqrt((D_t + width eta) / (1 - width u))``, ``D_t`` the computed ``||x_t||^2`` of ``width`` squares (off by at
+    most ``width (u ||x_t||^2 + eta)`` in any order, :func:`gram_rounding`); ``width`` 0: an exact Gram (a
+    token-equality mask). Without the slack a row of entries below ``2^-75`` (float32) had norm 0, and so did the
+    triangle bound that caps a flagged sample's raised norm."""
+    diag = torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0)
+    if width:
+        info = torch.finfo(gram.dtype)
+        u, eta = info.eps / 2, info.tiny * info.eps / 2
+        diag = (diag + width * eta) * (1.0 / (1.0 - width * u) if width * u < 0.5 else math.inf)
+    return diag.sqrt()
 
 
 #: an operand entry at or above ``NORM_RANGE / sqrt(width)`` (``width``: the entries of one position) puts its sample
@@ -286,6 +306,8 @@ def guard_contracted(sq: torch.Tensor, A: torch.Tensor, width: int, a_norms: tor
     input whose patches of ``width`` entries are its positions) and ``G`` ``(B, g, T, p)``; ``a_norms`` ``(B, g, T)``:
     the norms of ``A``'s positions."""
     sq = sq.masked_fill(beyond_norm_range(A, width) | beyond_norm_range(G, G.shape[-1]), math.inf)
-    g_norms = torch.linalg.vector_norm(G, dim=-1, dtype=torch.promote_types(G.dtype, torch.float32))
+    # squares summed in float64: none of a float32 entry falls below the normal range (the bound stays a bound)
+    g_norms = torch.linalg.vector_norm(G, dim=-1, dtype=torch.promote_types(G.dtype, torch.float64)).to(
+        torch.promote_types(G.dtype, torch.float32))
     bound_sq = triangle_bound_sq(a_norms, g_norms)
     return with_contraction(guarded_instantiated_sq(sq, bound_sq), bound_sq, G.shape[2], copies=2)

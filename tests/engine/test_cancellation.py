@@ -155,6 +155,52 @@ def test_guarded_sq_raises_only_what_rounding_rules():
     assert torch.isnan(out[4])  # a NaN stays non-finite
 
 
+def test_a_nan_rounding_bound_flags_the_sample():
+    """``err`` NaN (``0 * inf``: a Gram that overflowed paired with one that underflowed) bounds nothing: the sample is
+    flagged and gets the triangle bound; a NaN ``sq`` stays NaN (the sample is non-finite)."""
+    sq = torch.tensor([0.0, 1.0, float("nan")])
+    err = torch.tensor([float("nan"), float("nan"), float("nan")])
+    bound = torch.tensor([4.0, 9.0, 9.0])
+    out = _rounding.guarded_sq(sq, err, bound)
+    cap = 1 + 2.0**-10
+    assert out[0] == 4.0 * cap and out[1] == 9.0 * cap and torch.isnan(out[2])
+
+
+def _underflow_case(seed: int = 0, T: int = 32, d: int = 64, p: int = 2048):
+    # (red-team, 2026-11-28, third session) output gradients of 2^-76: every product of their Gram is below float32's
+    # smallest subnormal, so that Gram is exactly 0, while the inputs (2^60, inside the range guard 2^64 / sqrt(d))
+    # make the contraction's terms normal. The ghost norm was 0, the bound 0 * inf = NaN (not flagged), the factor 1:
+    # 100 R released at R = ||g|| / 100
+    gen = torch.Generator().manual_seed(seed)
+    x = 2.0**60 * torch.sign(torch.randn(1, T, d, generator=gen))
+    y = torch.full((1, T, p), 2.0**-76)
+    true = float(torch.einsum("btp,btd->pd", y.double(), x.double()).norm())
+    return nn.Linear(d, p, bias=False), lambda m: (m(x) * y).sum(), true
+
+
+@pytest.mark.parametrize("mode", ["BK-ghost", "ghost", "BK-MixOpt"])
+def test_a_gram_that_underflows_cannot_unclip(mode):
+    model, loss, true = _underflow_case()
+    assert _release_norm(model, loss, mode, true / 100) <= 1 + 1e-6
+
+
+def test_entries_below_the_normal_range_are_charged():
+    """Each Gram entry of products below float32's normal range is off by up to ``2^-150`` per product, not by a
+    share of its terms: ``gram_rounding`` charges ``eta`` per product (against ``M``'s entries) and
+    ``diagonal_norms`` never falls below the true norm."""
+    gen = torch.Generator().manual_seed(3)
+    for scale in (2.0**-60, 2.0**-70, 2.0**-76):
+        X = torch.randn(2, 1, 6, 300, generator=gen) * scale
+        K = X @ X.transpose(-1, -2)
+        exact = X.double() @ X.double().transpose(-1, -2)
+        M = torch.randn(2, 1, 6, 6, generator=gen, dtype=torch.float64).abs()
+        moved = ((K.double() - exact) * M).sum(dim=(1, 2, 3)).abs()
+        norms = _rounding.diagonal_norms(K, 300)
+        err = _rounding.gram_rounding(_rounding.frobenius(M.float()), norms, norms, 300)
+        assert bool((moved <= err.double()).all()), (scale, moved, err)
+        assert bool((norms.double() >= X.double().norm(dim=-1)).all()), scale
+
+
 def test_strips_give_the_whole_matrices_parts():
     gen = torch.Generator().manual_seed(2)
     A, G = torch.randn(3, 2, 130, 5, generator=gen), torch.randn(3, 2, 130, 7, generator=gen)

@@ -42,8 +42,8 @@ class RepeatedTable(nn.Module):
         g = self.grid()
         if self.how == "repeat":
             pos = self.proj(g).repeat(B, 1, 1) + self.conv(g.transpose(1, 2)).repeat(B, 1, 1).transpose(1, 2)
-        elif self.how == "tile":
-            pos = torch.tile(self.proj(g), (B, 1, 1)) + torch.tile(self.conv(g.transpose(1, 2)), (B, 1, 1)).mT
+        elif self.how == "tile":  # the function and the method
+            pos = torch.tile(self.proj(g), (B, 1, 1)) + self.conv(g.transpose(1, 2)).tile(B, 1, 1).mT
         elif self.how == "flip":  # the repeated rows reordered (equal values): row i is no longer sample i's
             pos = self.proj(g).repeat(B, 1, 1).flip(0)
         else:  # "twice": repeated to 2 B rows, folded back by summing pairs
@@ -71,7 +71,7 @@ def test_only_a_repeat_by_the_batch_gives_the_expanded_rows():
     every other function returns a plain tensor."""
     rows = torch.arange(6.0).view(1, 2, 3).expand(4, 2, 3).as_subclass(BatchRows)
     rows.rows = 4
-    for got in (rows.repeat(4, 1, 1), rows.repeat((4, 1, 1)), torch.tile(rows, (4, 1, 1))):
+    for got in (rows.repeat(4, 1, 1), rows.repeat((4, 1, 1)), torch.tile(rows, (4, 1, 1)), rows.tile(4, 1, 1)):
         assert type(got) is torch.Tensor and got.shape == (4, 2, 3) and got.is_contiguous()
         assert torch.equal(got, torch.arange(6.0).view(1, 2, 3).repeat(4, 1, 1))
     assert rows.repeat(2, 1, 1).shape == (8, 2, 3) and rows.repeat(4, 2, 1).shape == (16, 4, 3)
