@@ -233,9 +233,12 @@ def _chunking(X: torch.Tensor) -> tuple[int, int]:
 def gram_width(X: torch.Tensor) -> int:
     """The width a :func:`gram_strips` entry of ``X`` ``(..., m)`` is charged with by the rounding bound
     (:func:`fastdp.layers._rounding.gram_rounding`): ``m`` for one product; ``w + c`` for ``c`` chunks of at most
-    ``w`` columns (:func:`gram_product`). A chunk's sum of ``w`` products is off by at most ``(w - 1) u`` of its
-    terms' magnitudes in any order, and the ``c - 1`` additions of the chunks' sums by at most ``(c - 1) u`` of all
-    of them, so an entry by at most ``(w + c - 2) u sum_k |x_k y_k|``."""
+    ``w`` columns (:func:`gram_product`). Each term of an entry passes through at most ``w + c - 1`` roundings (its
+    product, unless fused, the chunk's additions, the ``c - 1`` additions of the chunks' sums), so the entry is off
+    by at most ``gamma_{w+c-1} sum_k |x_k y_k|`` (``gamma_n = n u / (1 - n u)``) in any order of summation, which
+    ``(w + c) u`` covers while ``(w + c)^2 u <= 1`` (chunks of 1024: up to about ``2^21`` columns). A red-team pass
+    (2026-11-28) found at most 0.37 of the charged width used by float32 entries (MKL sums chains of about 190
+    products) and 0.995 by float64 ones (one chunk in one register)."""
     w, c = _chunking(X)
     return w if c == 1 else w + c
 
