@@ -516,8 +516,7 @@ class OuterProductKind(LayerKind):
         A, G = ctx
         if name == "bias" or A is None:  # the bias's sum reads G summed over positions, as its instantiation does
             return sq
-        a_norms = torch.linalg.vector_norm(A, dim=-1, dtype=torch.promote_types(A.dtype, torch.float64)).to(
-            torch.promote_types(A.dtype, torch.float32))  # (squares in float64: none falls below the normal range)
+        a_norms = _rounding.row_norms(A, torch.promote_types(A.dtype, torch.float32))  # (never below the true ones)
         return _rounding.guard_contracted(sq, A, A.shape[-1], a_norms, G)
 
     def per_sample_grad(self, module: nn.Module, ctx: Any, name: str) -> torch.Tensor:

@@ -199,6 +199,9 @@ def test_entries_below_the_normal_range_are_charged():
         err = _rounding.gram_rounding(_rounding.frobenius(M.float()), norms, norms, 300)
         assert bool((moved <= err.double()).all()), (scale, moved, err)
         assert bool((norms.double() >= X.double().norm(dim=-1)).all()), scale
+        rows = _rounding.row_norms(X, torch.float32)  # (a factor's rows, the instantiated guard's)
+        assert bool((rows.double() >= X.double().norm(dim=-1)).all()), scale
+        assert bool((rows.double() <= 1.01 * X.double().norm(dim=-1) + 2.0**-60).all()), scale
 
 
 def test_strips_give_the_whole_matrices_parts():
