@@ -118,14 +118,17 @@ def test_multiple_choice_matches_the_oracle(mode, sizes):
     check_engine(MultipleChoice().to(D), cls_loss, _mc_batches(sizes, 3), mode=mode)
 
 
+def _biases_only(model: nn.Module) -> nn.Module:
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.endswith("bias"))
+    return model
+
+
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "ghost"])
 def test_bias_only_folded_matches_the_oracle(mode):
     """DP-BiTFiT: no input kept; the output gradients are unflattened before they are summed over positions."""
     torch.manual_seed(3)
-    model = FoldedMLP().to(D)
-    for n, p in model.named_parameters():
-        p.requires_grad_(n.endswith("bias"))
-    check_engine(model, mse_loss, _mlp_batches([3, 1], 4), mode=mode)
+    check_engine(_biases_only(FoldedMLP().to(D)), mse_loss, _mlp_batches([3, 1], 4), mode=mode)
 
 
 class FoldedBatchNorms(nn.Module):
@@ -162,10 +165,7 @@ def test_eval_batch_norms_on_folded_rows_match_the_oracle(mode, fn, style, reduc
 def test_eval_batch_norm_biases_on_folded_rows_match_the_oracle(mode):
     """DP-BiTFiT through folded BatchNorms: the output gradients summed over a sample's rows as they arrive."""
     torch.manual_seed(6)
-    model = FoldedBatchNorms().to(D)
-    for n, p in model.named_parameters():
-        p.requires_grad_(n.endswith("bias"))
-    check_engine(model, mse_loss, _mlp_batches([3, 1], 7), mode=mode)
+    check_engine(_biases_only(FoldedBatchNorms().to(D)), mse_loss, _mlp_batches([3, 1], 7), mode=mode)
 
 
 def _step(model, batches, loss=mse_loss, **kw):
