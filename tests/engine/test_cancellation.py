@@ -257,6 +257,10 @@ def test_patch_norms_equal_the_unfolded_patches(groups, padding_mode):
     call = registry.kind_for(conv).prepare(conv, x, torch.randn_like(out))
     want = torch.linalg.vector_norm(call.patches(0, 3), dim=-1)
     torch.testing.assert_close(call.patch_norms(), want, rtol=1e-12, atol=1e-12)
+    tiny = x.float() * 2.0**-80  # float32 squares below the normal range: the norms stay upper bounds
+    call = registry.kind_for(conv).prepare(conv.float(), tiny, torch.randn_like(out).float())
+    true = torch.linalg.vector_norm(call.patches(0, 3).double(), dim=-1)
+    assert bool((call.patch_norms().double() >= true).all())
 
 
 def _small_embedding_case(seed: int):

@@ -391,14 +391,16 @@ class ConvCall:
         return self.module.groups * (self.pixels ** 2 + 2 * self.T ** 2) * self.x.element_size()
 
     def patch_norms(self) -> torch.Tensor:
-        """``(B, g, T)``: the norms of the patches (the rows of :meth:`patches`), without unfolding them: the padded
-        input squared, summed over each group's channels and kernel window by a convolution with a kernel of ones."""
+        """``(B, g, T)``: upper bounds of the norms of the patches (the rows of :meth:`patches`), without unfolding
+        them: the padded input squared, summed over each group's channels and kernel window by a convolution with a
+        kernel of ones, raised by the rounding and underflow of those ``d`` squares and their sum
+        (:func:`fastdp.layers._rounding.upper_sq`: never below the true norms, also where the squares underflow)."""
         m = self.module
         x = self.kind._padded(m, self.x)
         ones = x.new_ones(m.groups, x.shape[1] // m.groups, *m.kernel_size)
         conv = (F.conv1d, F.conv2d, F.conv3d)[len(m.kernel_size) - 1]
         sq = conv(x.square(), ones, stride=m.stride, dilation=m.dilation, groups=m.groups)
-        return sq.reshape(self.batch, m.groups, self.T).clamp(min=0).sqrt()
+        return _rounding.upper_sq(sq.reshape(self.batch, m.groups, self.T), self.d + 1).sqrt()
 
     def input_gram(self, lo: int, hi: int) -> torch.Tensor:
         """``A_i A_i^T`` per sample and group, ``(hi - lo, g, T, T)``, for samples ``[lo, hi)``, without patches.
