@@ -178,9 +178,11 @@ def _underflow_case(seed: int = 0, T: int = 32, d: int = 64, p: int = 2048):
     return nn.Linear(d, p, bias=False), lambda m: (m(x) * y).sum(), true
 
 
+@pytest.mark.parametrize("T", [32, 1])
 @pytest.mark.parametrize("mode", ["BK-ghost", "ghost", "BK-MixOpt"])
-def test_a_gram_that_underflows_cannot_unclip(mode):
-    model, loss, true = _underflow_case()
+def test_a_gram_that_underflows_cannot_unclip(mode, T):
+    """``T`` 1: the one-position ghost norm ``||a||^2 ||g||^2``, whose ``||g||^2`` underflowed to 0 the same way."""
+    model, loss, true = _underflow_case(T=T)
     assert _release_norm(model, loss, mode, true / 100) <= 1 + 1e-6
 
 
