@@ -171,8 +171,7 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
         # each sum raised by what its squares can lose below the normal range (half the smallest subnormal each):
         # output gradients of 2^-76 against inputs of 2^60 otherwise gave ||g||^2 = 0, a clipping factor of 1, and
         # the contraction's normal terms released (the red-team construction of _rounding.gram_rounding, at T 1)
-        info = torch.finfo(A.dtype)
-        eta = info.tiny * info.eps / 2
+        eta = _rounding.roundoffs(A.dtype)[1]
         sq = ((A.square().sum(-1) + A.shape[-1] * eta) * (G.square().sum(-1) + G.shape[-1] * eta)).sum(dim=(1, 2))
         return sq, torch.zeros_like(sq), sq
     aat = input_grams(A, narrow) if share else gram_strips(A, narrow)

@@ -67,12 +67,18 @@ def row_norms(X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return upper_sq(n.square(), X.shape[-1] + 2).sqrt()  # (+2: the square root's rounding and the square's)
 
 
+def roundoffs(dtype: torch.dtype) -> tuple[float, float]:
+    """``(u, eta)`` of a floating dtype: its unit roundoff (``2^-24`` in float32) and half its smallest subnormal
+    (``2^-150``), what one product or sum that falls below the normal range can lose whatever its size."""
+    info = torch.finfo(dtype)
+    return info.eps / 2, info.tiny * info.eps / 2
+
+
 def upper_sq(sq: torch.Tensor, width: int) -> torch.Tensor:
     """``(sq + width eta) / (1 - width u)`` (``inf`` if ``width u >= 1/2``): at least ``||x||^2`` where ``sq`` is a
     computed sum of ``width`` squares of ``x``'s entries in ``sq``'s dtype, in any order (each off by at most ``u``
     of the running sum, and each square by at most ``eta``, half the smallest subnormal, below the normal range)."""
-    info = torch.finfo(sq.dtype)
-    u, eta = info.eps / 2, info.tiny * info.eps / 2
+    u, eta = roundoffs(sq.dtype)
     return (sq.clamp(min=0) + width * eta) * (1.0 / (1.0 - width * u) if width * u < 0.5 else math.inf)
 
 
@@ -113,8 +119,7 @@ def gram_rounding(other_fro: torch.Tensor, norms_t: torch.Tensor, norms_s: torch
     inputs of ``2^60`` gave a Gram of exact zeros, a ghost norm of 0 and 100 R released). ``other_fro`` ``(B, g)``:
     ``||M_j||_F`` of the Gram it is paired with (:func:`frobenius`); ``norms_t``, ``norms_s``: ``(B, g, Tx)``,
     ``(B, g, Ty)``, the rows' norms of ``X`` and ``Y``."""
-    info = torch.finfo(other_fro.dtype)
-    u, eta = info.eps / 2, info.tiny * info.eps / 2
+    u, eta = roundoffs(other_fro.dtype)
     lengths = torch.linalg.vector_norm(norms_t, dim=-1) * torch.linalg.vector_norm(norms_s, dim=-1)
     lengths = lengths * u + eta * math.sqrt(norms_t.shape[-1] * norms_s.shape[-1])
     return (lengths * other_fro).sum(-1) * max(width, 1)
