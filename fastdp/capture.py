@@ -101,7 +101,9 @@ class ProbeState:
 
     running: bool = False  # the probe's engine pass is running
     reference: bool = False  # its plain / batch-of-one passes: every hook inert
-    seen: set[Any] = field(default_factory=set)  # input signatures verified
+    seen: set[Any] = field(default_factory=set)  # input signatures verified (at one batch size or more)
+    #: input signature -> the batch sizes it was verified at (fastdp.probe.SIZES_PER_SIGNATURE of them at most)
+    sizes: dict[Any, set[int]] = field(default_factory=dict)
     buffers: list[Any] = field(default_factory=list)  # the model's buffers at the probe's start
     broadcast: list[nn.Module] = field(default_factory=list)  # modules whose broadcast output the pass expanded
     outside: list[nn.Module] = field(default_factory=list)  # modules whose parameters were used outside them

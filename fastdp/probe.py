@@ -15,7 +15,12 @@ message is in :mod:`fastdp.probe_message`.)
 and the call's :func:`signature` is new. The signature holds, per tensor leaf of ``(args, kwargs)``: its position,
 ndim, dtype, whether its leading size is ``B``, which other dimensions equal ``B``, which dimensions are 1; plus
 grad mode, autocast state and the model's training flag -- not the exact sizes, so Poisson batch sizes and padded
-lengths do not re-probe, but a new coincidence (``T == B``) is a new signature and is probed then.
+lengths do not re-probe, but a new coincidence (``T == B``) is a new signature and is probed then. A verified
+signature is probed once more at the first call with another batch size (``SIZES_PER_SIGNATURE``: two sizes): what
+a model does to the rows can depend on the batch size, which the signature does not fix (rows rolled by a constant 4
+are the identity at ``B = 2``). That second probe's fold rules and data-chosen rows add to the first's; its learned
+layouts replace them; if it is inconclusive or postponed, the first size's layouts stay and the next new size is
+probed.
 
 **What.** With every random generator forked (nothing the user sees changes: no RNG draw, no pending record, no
 accumulated sum, no step, no ``generic_stats``), under a torch-function mode that turns dropout into the identity
@@ -73,8 +78,9 @@ noise, the call runs, and its signature is probed again at its next call.
 * Outputs without a batch dimension (a scalar loss returned by the model) get no cotangent: what flows through them
   is not checked. Return per-sample outputs (logits) and compute the loss outside the model to be verified.
 * Behaviour that changes between calls with the same signature (data-dependent control flow, state kept across
-  calls) is checked only on the probed call's inputs; randomness other than dropout is checked only as far as the
-  eval-mode retry reaches.
+  calls) is checked only on the probed calls' inputs; randomness other than dropout is checked only as far as the
+  eval-mode retry reaches. That includes rows that depend on the batch size in a way both probed sizes hide (rows
+  rolled by a constant that is a multiple of both).
 * Samples other than the probe samples (0 and ``B - 1``) are not checked: a structural mistake that spares both
   (e.g. mixing only samples 1 and 2) passes. (A full-batch plain pass would check the sum over all samples, at about
   one more step's cost: left out to keep the probe under 2 % of a 100-step run.)
@@ -123,6 +129,12 @@ from fastdp.torch_api import ieee_float32, tree_flatten, tree_map
 
 logger = logging.getLogger(__name__)
 
+#: batch sizes at which each input signature is verified: its first call's, and the first other size it is called
+#: with (an operation whose effect on the rows depends on the batch size, which a signature does not fix, e.g. rows
+#: rolled by a constant that is a multiple of the first size, is then probed at a second size). Read at call time.
+SIZES_PER_SIGNATURE = 2
+
+
 class StructureError(RuntimeError):
     """The engine's per-sample gradients of this model do not match a batch-of-one computation (see
     :mod:`fastdp.probe`): training would not be private as stated, so the engine refuses."""
@@ -153,7 +165,9 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     pre-hook."""
     if sig is None:
         sig = signature(args, kwargs, B, model.training)
-    if sig in engine._capture.probe.seen:
+    verified_at = engine._capture.probe.sizes.get(sig, set())
+    again = sig in engine._capture.probe.seen  # verified at another batch size: probed at a second one
+    if again and (B in verified_at or len(verified_at) >= SIZES_PER_SIGNATURE):
         engine._capture.owner_layouts.start(sig)  # the generic owners' layouts learned for this signature
         return
     changed = trainable_change(model, engine.plan)  # the probe's passes would fail with a misleading error
@@ -181,8 +195,9 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     engine._capture.probe.inconclusive = False
     engine._capture.probe.running = True
     engine._capture.probe.sig = sig
-    engine._capture.probe.folds.pop(sig, None)  # the fold factors its engine pass sees (fastdp.capture)
-    engine._capture.probe.chooses.discard(sig)  # and whether it sees rows chosen by the data (fastdp.capture_fold)
+    if not again:  # (a second batch size adds to what the first one saw)
+        engine._capture.probe.folds.pop(sig, None)  # the fold factors its engine pass sees (fastdp.capture)
+        engine._capture.probe.chooses.discard(sig)  # and whether it sees rows chosen by the data (capture_fold)
     engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
     broadcast = engine_failed = False
     suspects: list[str] = []
@@ -243,24 +258,33 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
         # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
         first = ((findings[0].detail or findings[0].check).splitlines() or [""])[0][:300] if findings else ""
-        unverified[sig] = (f"its engine pass raised {first}" if first else
-                           "it was postponed: a sample of the batch had non-finite gradients, or the model raised")
+        if again:  # verified at another batch size: its layouts stay; probed again at the next new size
+            engine._capture.owner_layouts.start(sig)
+        else:
+            unverified[sig] = (f"its engine pass raised {first}" if first else "it was postponed: a sample of the "
+                               "batch had non-finite gradients, or the model raised")
         return
     if findings:
-        raise StructureError(_message(engine, findings, B, sig, random_ops, suspects, fell_back is False))
+        raise StructureError(_message(engine, findings, B, sig, random_ops, suspects, fell_back is False,
+                                      sorted(verified_at)))
     if engine._capture.probe.inconclusive:
-        engine._capture.owner_layouts.by_signature.pop(sig, None)
-        unverified[sig] = "every per-sample gradient of the batch was at rounding level"
+        if again:
+            engine._capture.owner_layouts.start(sig)
+        else:
+            engine._capture.owner_layouts.by_signature.pop(sig, None)
+            unverified[sig] = "every per-sample gradient of the batch was at rounding level"
         logger.info("structure probe inconclusive (batch %d): every per-sample gradient is at rounding level; the "
-                    "signature is probed again at its next call", B)
+                    "signature is probed again at its next call%s", B, " with a new batch size" if again else "")
         return
     unverified.pop(sig, None)
     engine._capture.probe.seen.add(sig)
+    engine._capture.probe.sizes.setdefault(sig, set()).add(B)
     engine._capture.owner_layouts.by_signature[sig] = engine._capture.probe.learned
     engine._capture.owner_layouts.start(sig)
     stats["signatures"] = len(engine._capture.probe.seen)
-    logger.info("structure probe passed (batch %d, %d probe samples, %.3fs)", B, len(_probe_indices(B)),
-                time.perf_counter() - t0)
+    logger.info("structure probe passed (batch %d%s, %d probe samples, %.3fs)", B,
+                f", the signature's second batch size after {sorted(verified_at)}" if again else "",
+                len(_probe_indices(B)), time.perf_counter() - t0)
 
 
 def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool | None:

@@ -20,7 +20,7 @@ def _user_grad_hooks(engine: Any, p: torch.Tensor) -> list[Any]:
 
 
 def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...], random_ops: set[str],
-             suspects: Sequence[str] = (), fell_back: bool = False) -> str:
+             suspects: Sequence[str] = (), fell_back: bool = False, verified_at: Sequence[int] = ()) -> str:
     owner = {n: (n.rpartition(".")[0] or "<root>") for n in engine._trainable}
     worst = sorted(findings, key=lambda f: -f.error)[:5]
     params = sorted({f.where.strip("'") for f in findings if f.where.strip("'") in owner}
@@ -39,6 +39,10 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
            f"than the batch{retry}. An output of leading size 1 that is a part of the batch (a chunk of one sample, "
            "x.chunk(2) of an odd batch) or is combined with the batch along dimension 0 (torch.cat) is not a "
            "broadcast value, and the rows of a part of the batch are not the samples' rows." if suspects else "")
+    size = (f"\nThis input signature was verified at batch size{'s' if len(verified_at) > 1 else ''} "
+            f"{list(verified_at)} and fails at batch size {B}: what the model does to the rows depends on the batch "
+            "size (rows rolled, reordered, repeated or reshaped by a constant that the first size hid, e.g. "
+            "x.roll(4, 0) is the identity at batch size 2 and 4)." if verified_at else "")
     lines = "\n".join(f"  - {f.line()}" for f in worst)
     more = f" (and {len(findings) - len(worst)} more)" if len(findings) > len(worst) else ""
     rnd = (f"\nRandom operations other than dropout ran in forward ({sorted(random_ops)}); the probe was retried in "
@@ -47,7 +51,7 @@ def _message(engine: Any, findings: list[Finding], B: int, sig: tuple[Any, ...],
         f"structure probe: the engine's per-sample gradients of this model do not match a brute-force batch-of-one "
         f"computation (batch size {B}), so training would not be private as stated. Parameters: "
         f"{params[:8]}{'...' if len(params) > 8 else ''}; modules: {modules[:8]}{'...' if len(modules) > 8 else ''}.\n"
-        f"Evidence{more}:\n{lines}{rnd}{exp}{hooks}\n"
+        f"Evidence{more}:\n{lines}{size}{rnd}{exp}{hooks}\n"
         "Likely causes: the batch axis is not the first dimension of the model's first tensor input (a "
         "sequence-first model: pass batch_first inputs); the model mixes samples (x.chunk/split over the batch, "
         "BatchNorm, reordering or any cross-sample operation); a forward hook changes a layer's output; an output of "

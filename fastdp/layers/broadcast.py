@@ -9,9 +9,10 @@ encoder, whose ``token_projection`` convolution runs on a batch-free grid) would
 ``tile`` (function or method) by exactly ``(B, 1, ..., 1)`` give a copy of the expanded rows (what the unexpanded
 output repeated ``B`` times is, value for value). Every other function sees a plain tensor and returns one. The
 structure probe verifies the result like any broadcast output (its per-sample gradients against batch-of-one
-references), once per input signature: like any broadcast output or fold, an operation whose effect on the rows
-depends on the batch size (``roll`` by a constant) can pass the probe at one batch size and mix rows at another of
-the same signature (a red-team pass, 2026-11-28; docs/internals/structure-probe.md).
+references), per input signature at two batch sizes (:data:`fastdp.probe.SIZES_PER_SIGNATURE`): an operation whose
+effect on the rows depends on the batch size (``roll`` by a constant) can pass the probe at one batch size and mix
+rows at another of the same signature (a red-team pass, 2026-11-28), which the second size's probe catches unless
+both sizes hide it (docs/internals/structure-probe.md).
 """
 
 from __future__ import annotations
