@@ -26,6 +26,7 @@ from torch import nn
 from fastdp import norm_act
 from fastdp.layers.registry import refusals
 from fastdp.torch_api import BatchNormBase as _BatchNorm
+from fastdp.torch_api import tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,9 @@ def verify_structure(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, A
     run collectives on one rank only): call it on the unsharded model, on one process, with a batch of the shapes
     training will use (batch size >= 2; the same sequence length, image size and keyword arguments), before
     sharding. It verifies that signature only: a later input of another shape is not verified by the sharded engine.
+    As the engine does, it verifies the signature at two batch sizes: the batch's ``B``, and (for ``B >= 3``) its
+    first ``B - 1`` samples (every input of leading size ``B`` cut to ``B - 1`` rows), a size coprime to ``B``, so
+    that rows that depend on the batch size (rolled by a constant that ``B`` hides) show at one of them.
 
     Returns:
         the probe's statistics (``{"probes", "signatures", "seconds", "eval_retries"}``).
@@ -214,6 +218,10 @@ def verify_structure(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, A
     try:
         with torch.enable_grad():
             model(*args, **kwargs)
+            if B >= 3 and engine.probe_stats["signatures"] >= 1:  # the second batch size
+                first = tree_map(lambda x: x[:B - 1] if isinstance(x, torch.Tensor) and x.dim() >= 1
+                                 and x.shape[0] == B else x, (tuple(args), dict(kwargs)))
+                model(*first[0], **first[1])
         stats = dict(engine.probe_stats)
     finally:
         engine.detach()

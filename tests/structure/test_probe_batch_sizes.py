@@ -152,3 +152,15 @@ def test_the_second_size_keeps_the_first_sizes_fold_rules():
     rules are added, not replaced): both sizes' calls run, and the step is exact."""
     torch.manual_seed(0)
     check_engine(Rolled("folded-linear", 0).to(D), mse_loss, _batches([2, 3, 2, 3]), mode="BK-MixGhostClip")
+
+
+def test_verify_structure_checks_a_second_batch_size():
+    """``fastdp.validate.verify_structure`` (the offline check for sharded models) probes the batch and its first
+    ``B - 1`` samples: rows rolled by 24 are the identity on 6 samples of 4 positions, a shift on 5."""
+    from fastdp.validate import verify_structure
+
+    torch.manual_seed(0)
+    (x,), _ = _batches([6])[0]
+    assert verify_structure(Rolled("folded-linear", 0).to(D), x)["signatures"] == 1
+    with pytest.raises(StructureError, match="verified at batch size \\[6\\] and fails at batch size 5"):
+        verify_structure(Rolled("folded-linear", 24).to(D), x)
