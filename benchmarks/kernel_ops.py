@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 import zoo
 
+import fastdp.layers._grams
 import fastdp.layers._matmul
-from fastdp.layers import _matmul
+from fastdp.layers import _grams
 from fastdp.layers.kinds import conv as conv_kind
 from fastdp.layers.kinds.conv import ConvKind
 
@@ -225,10 +226,10 @@ def gram_ops_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = GRAM_
         times: dict[int, list[float]] = {k: [] for k in ks}
         for r in range(reps + 1):
             for k in ks[r % len(ks):] + ks[:r % len(ks)]:
-                with _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": (1, k), "default": (1, k)})]):
+                with _patched([(fastdp.layers._grams, "GRAM_STRIP", {"cpu": (1, k), "default": (1, k)})]):
                     sync()
                     t0 = time.perf_counter()
-                    _matmul.strips_inner(_matmul.gram_strips(A), _matmul.gram_strips(G))
+                    _grams.strips_inner(_grams.gram_strips(A), _grams.gram_strips(G))
                     sync()
                     if r:
                         times[k].append(time.perf_counter() - t0)
@@ -257,7 +258,7 @@ ODD_T_SHAPES = ((64, 17, 192, 576), (64, 17, 192, 768), (64, 17, 768, 192), (32,
 def gram_align_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = ODD_T_SHAPES,
                   device: str = "cpu", cold: bool = False) -> list[dict[str, object]]:
     """The ghost norm's Gram products and their inner product at odd ``T``, with a leading strip of ``T mod 16`` rows
-    (:data:`fastdp.layers._matmul.GRAM_ALIGN` at 16, not the default) and without, alternating calls, median
+    (:data:`fastdp.layers._grams.GRAM_ALIGN` at 16, not the default) and without, alternating calls, median
     milliseconds per layer shape, float32 on ``device``; the strips of ``GRAM_STRIP`` either way. ``cold``: a 64 MiB
     buffer is written before each call, so that ``A`` and ``G`` are not in the cache (as in a step, where they were
     written long before)."""
@@ -265,8 +266,8 @@ def gram_align_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = ODD
     flush = torch.zeros(16 << 20, device=dev) if cold else None
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     align = {dev.type: 16}
-    configs = {"aligned": [(fastdp.layers._matmul, "GRAM_ALIGN", align)],
-               "unaligned": [(fastdp.layers._matmul, "GRAM_ALIGN", {})]}
+    configs = {"aligned": [(fastdp.layers._grams, "GRAM_ALIGN", align)],
+               "unaligned": [(fastdp.layers._grams, "GRAM_ALIGN", {})]}
     rows = []
     for B, T, d, p in shapes:
         gen = torch.Generator().manual_seed(0)
@@ -281,7 +282,7 @@ def gram_align_ab(reps: int, shapes: tuple[tuple[int, int, int, int], ...] = ODD
                         flush.add_(1.0)
                     sync()
                     t0 = time.perf_counter()
-                    _matmul.strips_inner(_matmul.gram_strips(A), _matmul.gram_strips(G))
+                    _grams.strips_inner(_grams.gram_strips(A), _grams.gram_strips(G))
                     sync()
                     if r >= 2:
                         times[name].append(time.perf_counter() - t0)

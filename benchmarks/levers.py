@@ -29,7 +29,7 @@ Levers:
   and Gram inner products with ``torch.linalg.vecdot``; before: ``t.square().sum()`` (a full-size temporary) and a
   batched ``(1 x n) @ (n x 1)`` ``bmm``.
 * ``shared-gram``: one input Gram matrix for the layers that read the same input tensor (q, k, v of an attention
-  block), cached for one pass of per-sample norms (``fastdp.layers._matmul.shared_input_grams``); before: one per
+  block), cached for one pass of per-sample norms (``fastdp.layers._grams.shared_input_grams``); before: one per
   layer.
 * ``parallel-noise``: on CPU, a step's noise drawn on ``fastdp.noise.NOISE_THREADS`` threads from child generators
   (``fastdp.noise.noisy_means``); before: one thread, one parameter after another.
@@ -89,17 +89,17 @@ Levers:
   parameter's size and the sum added to it. A memory lever (the same numbers on CPU).
 * ``gram-strips``: a ghost norm's ``T x T`` Gram matrices formed as ``K`` strips of rows against the columns from the
   strip's first row on (the upper triangle by blocks, ``(K + 1) / 2K`` of the multiply-adds;
-  ``fastdp.layers._matmul.GRAM_STRIP``), their inner product weighting the blocks above the diagonal twice; before:
+  ``fastdp.layers._grams.GRAM_STRIP``), their inner product weighting the blocks above the diagonal twice; before:
   the full Gram matrices. ``--flops`` counts the multiply-adds; ``--widths paper --sizes 512 --batch 2`` measures
   it where the ghost norms are long.
-* ``gram-chunks``: a Gram matrix whose rows are wider than ``fastdp.layers._matmul.GRAM_CHUNK`` (a vocabulary-wide
+* ``gram-chunks``: a Gram matrix whose rows are wider than ``fastdp.layers._grams.GRAM_CHUNK`` (a vocabulary-wide
   LM head's output gradients) summed in chunks of columns, its rounding bound charged with the chunk width
   (``gram_width``), so the cancellation guard no longer flags what that bound's looseness flagged (GPT-2's tied head
   at T 256); before: one product over the whole width. The exact path's cost on flagged samples goes with it.
 
 ``python benchmarks/levers.py --gram-ops`` times the ghost norm's Gram products with 1 (whole), 2, 4, 8 and 16 strips on
-a few layer shapes (``fastdp.layers._matmul.GRAM_STRIP`` is chosen from it); ``--gram-ops --odd-t`` times them at a
-ViT's odd token counts with and without a leading strip of ``T mod 16`` rows (``fastdp.layers._matmul.GRAM_ALIGN``,
+a few layer shapes (``fastdp.layers._grams.GRAM_STRIP`` is chosen from it); ``--gram-ops --odd-t`` times them at a
+ViT's odd token counts with and without a leading strip of ``T mod 16`` rows (``fastdp.layers._grams.GRAM_ALIGN``,
 not adopted: whole steps are compared by ``run.py``'s method ``fastdp BK-MixOpt, aligned Grams``); ``--cold`` writes a
 64 MiB buffer before each call, so that the inputs come from memory as in a step.
 
@@ -130,6 +130,7 @@ from kernel_ops import _consecutive_runs, conv_ops_ab, gram_ops_ab, noise_ab, no
 
 import fastdp.clipped_sums
 import fastdp.layers._factored
+import fastdp.layers._grams
 import fastdp.layers._matmul
 import fastdp.layers._rounding
 import fastdp.noise
@@ -160,7 +161,7 @@ def _fused_norms_before() -> contextlib.AbstractContextManager:
 
 
 def _shared_gram_before() -> contextlib.AbstractContextManager:
-    return _patched([(fastdp.layers._matmul, "SHARE_INPUT_GRAMS", False)])
+    return _patched([(fastdp.layers._grams, "SHARE_INPUT_GRAMS", False)])
 
 
 def _parallel_noise_before() -> contextlib.AbstractContextManager:
@@ -250,7 +251,7 @@ def _conv_pixel_grams_before() -> contextlib.AbstractContextManager:
 
 
 def _gram_strips_before() -> contextlib.AbstractContextManager:
-    return _patched([(fastdp.layers._matmul, "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})])
+    return _patched([(fastdp.layers._grams, "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})])
 
 
 def _conv_fits_before(self: ConvKind, module: torch.nn.Module, ctx: object, name: str, readers: int = 1) -> bool:
@@ -283,7 +284,7 @@ def _exact_worth_before() -> contextlib.AbstractContextManager:
 
 def _gram_chunks_before() -> contextlib.AbstractContextManager:
     # every Gram product over the whole width of its rows (the rounding bound charged with that width)
-    return _patched([(fastdp.layers._matmul, "GRAM_CHUNK", {})])
+    return _patched([(fastdp.layers._grams, "GRAM_CHUNK", {})])
 
 
 def _bn_layout_before() -> contextlib.AbstractContextManager:

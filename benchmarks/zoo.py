@@ -18,9 +18,9 @@ A *method* is how one training step is taken:
   (``verify_structure=False``), ``fastdp BK-MixOpt, no loss check`` (``verify_loss=False``), ``fastdp BK-MixOpt,
   strict loss check`` (``verify_loss="strict"``: the loss traced at every step), ``fastdp BK-MixOpt, slack 1.25``
   (``fastdp.layers._matmul.INSTANTIATION_SLACK`` 1.25 during its steps, ``MODULE_SWITCHES``) and ``fastdp BK-MixOpt,
-  full Grams`` (ghost norms from whole ``T x T`` Gram matrices instead of strips: ``fastdp.layers._matmul.GRAM_STRIP``
+  full Grams`` (ghost norms from whole ``T x T`` Gram matrices instead of strips: ``fastdp.layers._grams.GRAM_STRIP``
   at one strip) and ``fastdp BK-MixOpt, aligned Grams`` (at a ``T`` that is not a multiple of 16, a leading strip of
-  ``T mod 16`` rows: ``fastdp.layers._matmul.GRAM_ALIGN``, not adopted) and ``fastdp BK-MixOpt, no fold guard``
+  ``T mod 16`` rows: ``fastdp.layers._grams.GRAM_ALIGN``, not adopted) and ``fastdp BK-MixOpt, no fold guard``
   (``fastdp.layers.fold_guard.RowGuard`` replaced by :class:`NoRowGuard`: what the guard costs a model whose layers
   see the batch folded, OPT); ``non-private, bf16 autocast`` and ``fastdp BK-MixOpt, bf16 autocast`` (the forward
   pass and the loss under ``torch.autocast(dtype=torch.bfloat16)`` on the workload's device, ``AUTOCAST``; the
@@ -97,8 +97,8 @@ AUTOCAST: dict[str, torch.dtype] = {
 #: attribute, value)]
 MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     f"{DEFAULT_METHOD}, slack 1.25": [("fastdp.layers._matmul", "INSTANTIATION_SLACK", 1.25)],
-    f"{DEFAULT_METHOD}, full Grams": [("fastdp.layers._matmul", "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})],
-    f"{DEFAULT_METHOD}, aligned Grams": [("fastdp.layers._matmul", "GRAM_ALIGN", {"cpu": 16, "cuda": 16})],
+    f"{DEFAULT_METHOD}, full Grams": [("fastdp.layers._grams", "GRAM_STRIP", {"cpu": (1, 1), "default": (1, 1)})],
+    f"{DEFAULT_METHOD}, aligned Grams": [("fastdp.layers._grams", "GRAM_ALIGN", {"cpu": 16, "cuda": 16})],
     # what the rows-chosen-by-the-data guard costs a model with folded calls (OPT): it replaced by a no-op
     f"{DEFAULT_METHOD}, no fold guard": [("fastdp.layers.fold_guard", "RowGuard", NoRowGuard)],
     # the clipping stage's products of bf16 calls in bf16 with float32 accumulation (off by default)

@@ -31,7 +31,8 @@ from torch.func import functional_call
 from fastdp.clipping import ClipFn
 from fastdp.deferred import DeferredCheck, defers
 from fastdp.layers import _rounding
-from fastdp.layers._matmul import reused_scratch, shared_input_grams, shared_rounding
+from fastdp.layers._grams import shared_input_grams
+from fastdp.layers._matmul import reused_scratch, shared_rounding
 from fastdp.layers._rounding import Exact
 from fastdp.layers.base import accumulation_dtype, to_accumulation
 from fastdp.modes import ClippingMode

@@ -160,7 +160,7 @@ EXACT_MAX_NUMBERS = 1 << 24
 #: err`` 53-64, where the worst-case bound was loose (the Grams' norm came out within 3e-7 of the exact one); taking
 #: all 8 samples apart (8 x 2 M numbers formed in float64) took the step from 1.19x to 1.93x non-private training and
 #: its live tensors from 1.00x to 1.42x (lever ``exact-worth`` of benchmarks/levers.py; docs/internals/clipping.md).
-#: Its wide output Gram is now summed in chunks (:data:`fastdp.layers._matmul.GRAM_CHUNK`): ``sq / err`` 267, not
+#: Its wide output Gram is now summed in chunks (:data:`fastdp.layers._grams.GRAM_CHUNK`): ``sq / err`` 267, not
 #: flagged.
 EXACT_WORTH = 2.0 ** -5
 

@@ -164,7 +164,9 @@ def test_variants_set_their_switches():
     assert on.engine._capture.on_arrival and not off.engine._capture.on_arrival
     assert on.engine.verify_structure and not unprobed.engine.verify_structure
     assert zoo.make_step(w, "non-private", torch.device("cpu")).engine is None
+    import fastdp.layers._grams as grams
     import fastdp.layers._matmul as matmul
+    import fastdp.layers._products as products_mod
 
     seen = []
     slack = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, slack 1.25", torch.device("cpu"))
@@ -178,31 +180,31 @@ def test_variants_set_their_switches():
 
     strips = []
     full = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, full Grams", torch.device("cpu"))
-    real_strips = matmul.gram_strips
+    real_strips = grams.gram_strips
     try:
-        matmul.gram_strips = lambda X, *a: strips.append(matmul.strip_count(X)) or real_strips(X, *a)
+        grams.gram_strips = lambda X, *a: strips.append(grams.strip_count(X)) or real_strips(X, *a)
         full(zoo.make_batch(w, torch.device("cpu")))
     finally:
-        matmul.gram_strips = real_strips
-    assert strips and set(strips) == {1} and matmul.GRAM_STRIP["cpu"] == (64, 4)  # whole Grams for its steps only
+        grams.gram_strips = real_strips
+    assert strips and set(strips) == {1} and grams.GRAM_STRIP["cpu"] == (64, 4)  # whole Grams for its steps only
 
     aligned = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, aligned Grams", torch.device("cpu"))
     seen_align = []
     try:
-        matmul.gram_strips = lambda X, *a: seen_align.append(dict(matmul.GRAM_ALIGN)) or real_strips(X, *a)
+        grams.gram_strips = lambda X, *a: seen_align.append(dict(grams.GRAM_ALIGN)) or real_strips(X, *a)
         aligned(zoo.make_batch(w, torch.device("cpu")))
     finally:
-        matmul.gram_strips = real_strips
-    assert seen_align and all(a.get("cpu") == 16 for a in seen_align) and matmul.GRAM_ALIGN == {}  # its steps only
+        grams.gram_strips = real_strips
+    assert seen_align and all(a.get("cpu") == 16 for a in seen_align) and grams.GRAM_ALIGN == {}  # its steps only
 
     half = zoo.make_step(w, f"{zoo.DEFAULT_METHOD}, bf16 autocast, bf16 products", torch.device("cpu"))
     products = []
-    real_mm = matmul.bf16_matmul_float32
+    real_mm = products_mod.bf16_matmul_float32
     try:
-        matmul.bf16_matmul_float32 = lambda a, b: products.append(a.dtype) or real_mm(a, b)
+        products_mod.bf16_matmul_float32 = lambda a, b: products.append(a.dtype) or real_mm(a, b)
         half(zoo.make_batch(w, torch.device("cpu")))
     finally:
-        matmul.bf16_matmul_float32 = real_mm
+        products_mod.bf16_matmul_float32 = real_mm
     assert products and set(products) == {torch.bfloat16} and matmul.BF16_PRODUCTS == frozenset()  # its steps only
 
     import fastdp.noise as noise
@@ -327,6 +329,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
 
     import fastdp.clipped_sums
     import fastdp.layers._factored
+    import fastdp.layers._grams
     import fastdp.layers._matmul
     import fastdp.layers._rounding
     import fastdp.noise
@@ -337,15 +340,15 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
     from fastdp.layers.kinds.layernorm import LayerNormKind
 
     def current():
-        return (fastdp.clipped_sums.norm_sq, fastdp.layers._matmul.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
+        return (fastdp.clipped_sums.norm_sq, fastdp.layers._grams.SHARE_INPUT_GRAMS, fastdp.noise.NOISE_THREADS,
                 ConvKind.prepare, ConvKind.clipped_sum, fastdp.layers._matmul._scaled, fastdp.clipped_sums._drop_kept,
                 fastdp.clipped_sums._net_bytes, fastdp.layers._matmul.instantiation_fits, conv_kind.CLIPPED_SUM,
                 conv_kind.PIXEL_GRAMS, ConvKind.instantiation_fits, fastdp.noise.NOISE_CHUNK,
-                dict(fastdp.layers._matmul.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
-                groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs, dict(fastdp.layers._matmul.GRAM_ALIGN),
+                dict(fastdp.layers._grams.GRAM_STRIP), conv_kind.PER_SAMPLE_GRADS, LayerNormKind.normalize,
+                groupnorm.FOLDED_MIN_POSITIONS, fastdp.noise._runs, dict(fastdp.layers._grams.GRAM_ALIGN),
                 fastdp.layers._rounding.gram_rounding, fastdp.layers._rounding.guarded_sq,
                 fastdp.layers._rounding.exact_flagged, fastdp.torch_api.DENSE_LAYOUT_DEVICES,
-                fastdp.layers._rounding.EXACT_WORTH, dict(fastdp.layers._matmul.GRAM_CHUNK))
+                fastdp.layers._rounding.EXACT_WORTH, dict(fastdp.layers._grams.GRAM_CHUNK))
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -371,40 +374,40 @@ def test_levers_flops_mode_counts_the_strips_saving(capsys, tmp_path):
     (``gram-strips before``); the switch is restored."""
     import levers
 
-    import fastdp.layers._matmul as matmul
+    import fastdp.layers._grams as grams
 
-    real = dict(matmul.GRAM_STRIP)
-    matmul.GRAM_STRIP["cpu"] = (4, 8)
+    real = dict(grams.GRAM_STRIP)
+    grams.GRAM_STRIP["cpu"] = (4, 8)
     try:
         levers.main(["--flops", "--levers", "gram-strips", "--models", "tinylm", "--sizes", "8", "--widths", "tiny",
                      "--batch", "2", "--json", str(tmp_path / "f.json")])
     finally:
-        matmul.GRAM_STRIP.update(real)
+        grams.GRAM_STRIP.update(real)
     flops = json.loads((tmp_path / "f.json").read_text())["gflop"]["tinylm-tiny-T8-B2"]
     assert set(flops) == {"non-private", "after", "gram-strips before"}
     assert flops["after"] < flops["gram-strips before"] and flops["non-private"] < flops["gram-strips before"]
-    assert "gram-strips gain" in capsys.readouterr().out and matmul.GRAM_STRIP == real
+    assert "gram-strips gain" in capsys.readouterr().out and grams.GRAM_STRIP == real
 
 
 def test_levers_gram_ops_times_every_strip_count_and_restores(capsys):
     import levers
 
-    import fastdp.layers._matmul as matmul
+    import fastdp.layers._grams as grams
 
-    real = dict(matmul.GRAM_STRIP)
+    real = dict(grams.GRAM_STRIP)
     rows = levers.gram_ops_ab(1, shapes=((2, 40, 3, 5),), counts=(1, 2, 4))  # 4 strips of 10 rows: under 16, left out
-    assert [set(r) for r in rows] == [{"shape", "device", "K 1", "K 2"}] and matmul.GRAM_STRIP == real
+    assert [set(r) for r in rows] == [{"shape", "device", "K 1", "K 2"}] and grams.GRAM_STRIP == real
     assert "| B 2, T 40, d 3, p 5 |" in capsys.readouterr().out
 
 
 def test_levers_gram_align_ab_times_both_cuts_and_restores(capsys):
     import kernel_ops
 
-    import fastdp.layers._matmul as matmul
+    import fastdp.layers._grams as grams
 
-    real = dict(matmul.GRAM_ALIGN)
+    real = dict(grams.GRAM_ALIGN)
     rows = kernel_ops.gram_align_ab(1, shapes=((2, 17, 3, 5),))
-    assert [set(r) for r in rows] == [{"shape", "device", "cold", "aligned", "unaligned"}] and matmul.GRAM_ALIGN == real
+    assert [set(r) for r in rows] == [{"shape", "device", "cold", "aligned", "unaligned"}] and grams.GRAM_ALIGN == real
     assert "| B 2, T 17, d 3, p 5 |" in capsys.readouterr().out
 
 

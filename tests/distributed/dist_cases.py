@@ -69,16 +69,16 @@ def run_exact(ctx: Any, spec: Spec, R: float, bucket_bytes: int | None = None,
     """One logical step of ``spec`` on this rank; returns what it released (and the parameters after SGD).
     ``bucket_bytes``: the engine's all-reduce buckets that small (many buckets; its default argument, patched for
     this case only). ``gram_strip``: the ghost norms' Gram matrices cut into strips of at least ``h`` rows, at most
-    ``K`` (``fastdp.layers._matmul.GRAM_STRIP``, patched for this case only)."""
+    ``K`` (``fastdp.layers._grams.GRAM_STRIP``, patched for this case only)."""
     if gram_strip is not None:
-        from fastdp.layers import _matmul
+        from fastdp.layers import _grams
 
-        saved = _matmul.GRAM_STRIP
-        _matmul.GRAM_STRIP = {"cpu": gram_strip, "default": gram_strip}
+        saved = _grams.GRAM_STRIP
+        _grams.GRAM_STRIP = {"cpu": gram_strip, "default": gram_strip}
         try:
             return run_exact(ctx, spec, R, bucket_bytes, **kw)
         finally:
-            _matmul.GRAM_STRIP = saved
+            _grams.GRAM_STRIP = saved
     if bucket_bytes is None:
         return run_exact_unpatched(ctx, spec, R, **kw)
     from fastdp.distributed import Group

@@ -19,7 +19,7 @@ from oracle import make_engine, released_grads, trainable_names
 from torch import nn
 
 from fastdp import torch_api
-from fastdp.layers import _matmul
+from fastdp.layers import _grams, _matmul, _products
 
 quiet_transformers()
 
@@ -33,7 +33,7 @@ def test_the_three_way_split_is_exact():
                                                                               generator=g).float())
     # 3.4e38 is above bfloat16's largest finite (3.39e38): rounded to nearest it would overflow
     x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -3.0, 2.0**-109, 3.4e38, -3.4028e38, 1 + 2.0**-23])])
-    parts = _matmul.split_bf16(x)
+    parts = _products.split_bf16(x)
     assert all(p.dtype == torch.bfloat16 for p in parts)
     total = sum(p.double() for p in parts)
     assert torch.equal(total, x.double())
@@ -42,7 +42,7 @@ def test_the_three_way_split_is_exact():
 
 def test_the_split_loses_only_below_bfloat16s_subnormals():
     x = torch.tensor([1.2345678e-35, 3.3e-36, -1.7550e-38])  # |x| < 2^-110
-    total = sum(p.double() for p in _matmul.split_bf16(x))
+    total = sum(p.double() for p in _products.split_bf16(x))
     assert torch.all((total - x.double()).abs() <= 2.0**-133)
 
 
@@ -62,7 +62,7 @@ def test_the_split_product_equals_the_float32_product():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 40, generator=g) * 1e3
     y = torch.randn(40, 7, generator=g).bfloat16().float()
-    got = _matmul._split_product(x, y, torch.bfloat16)
+    got = _products.split_product(x, y, torch.bfloat16)
     want = x.double() @ y.double()
     assert rel_err({"p": got}, {"p": want}) < 1e-6
     assert rel_err({"p": (x.bfloat16().float() @ y)}, {"p": want}) > 1e-4  # one bf16 term alone is off
@@ -118,7 +118,7 @@ def test_bf16_products_release_what_the_float32_path_releases(name, mode, R, mon
     large none. The switch must have formed bfloat16 products and, in the book-keeping modes, split a scaled
     operand."""
     calls = {"products": 0, "splits": 0}
-    real_mm, real_split = _matmul.bf16_matmul_float32, _matmul.split_bf16
+    real_mm, real_split = _products.bf16_matmul_float32, _products.split_bf16
 
     def mm(a, b):
         calls["products"] += 1
@@ -129,8 +129,8 @@ def test_bf16_products_release_what_the_float32_path_releases(name, mode, R, mon
         calls["splits"] += 1
         return real_split(x)
 
-    monkeypatch.setattr(_matmul, "bf16_matmul_float32", mm)
-    monkeypatch.setattr(_matmul, "split_bf16", split)
+    monkeypatch.setattr(_products, "bf16_matmul_float32", mm)
+    monkeypatch.setattr(_products, "split_bf16", split)
     model, loss, data = _family(name)
     if name == "gpt2":  # round the LayerNorm outputs in both runs, so that only the products' path differs
         for module in model.modules():
@@ -224,8 +224,8 @@ def test_q_k_v_share_one_rounded_input_and_its_gram(monkeypatch):
     """With bf16 products the three calls that read one kept input get one rounded copy, so they share one input
     Gram as on the float32 path (a red-team pass counted 8 Gram products a pass with the switch on against 6 off)."""
     counts = []
-    real = _matmul.gram_strips
-    monkeypatch.setattr(_matmul, "gram_strips", lambda X, *a: counts.append(1) or real(X, *a))
+    real = _grams.gram_strips
+    monkeypatch.setattr(_grams, "gram_strips", lambda X, *a: counts.append(1) or real(X, *a))
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(3)
     data = [((torch.randn(3, 20, 64, generator=g),), torch.randn(3, 20, 64, generator=g))]

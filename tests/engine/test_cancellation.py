@@ -20,7 +20,7 @@ from oracle import make_engine
 from torch import nn
 
 from fastdp import deferred
-from fastdp.layers import _factored, _matmul, _rounding, registry
+from fastdp.layers import _factored, _grams, _matmul, _rounding, registry
 
 MODES = ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost", "instantiate"]
 EPS = [2.0**-6, 2.0**-12, 1.5 * 2.0**-17, 2.0**-21]
@@ -210,11 +210,11 @@ def test_strips_give_the_whole_matrices_parts():
     gen = torch.Generator().manual_seed(2)
     A, G = torch.randn(3, 2, 130, 5, generator=gen), torch.randn(3, 2, 130, 7, generator=gen)
     strips = _matmul.ghost_norm_parts(A, G, share=False)
-    assert len(_matmul.gram_strips(A)) > 1  # the CPU's rule cuts T 130 into strips
+    assert len(_grams.gram_strips(A)) > 1  # the CPU's rule cuts T 130 into strips
     whole = _rounding.symmetric_parts(A @ A.transpose(-1, -2), G @ G.transpose(-1, -2), 5, 7)
     for got, want in zip(strips, whole, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    torch.testing.assert_close(_matmul.strips_diagonal_norms(_matmul.gram_strips(A)), A.norm(dim=-1), rtol=1e-5,
+    torch.testing.assert_close(_grams.strips_diagonal_norms(_grams.gram_strips(A)), A.norm(dim=-1), rtol=1e-5,
                                atol=0)
     exact = torch.einsum("bgtp,bgtd->bgpd", G.double(), A.double()).square().sum(dim=(1, 2, 3))
     assert bool((whole[2].double() >= exact).all())  # the triangle bound

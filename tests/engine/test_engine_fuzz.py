@@ -27,7 +27,7 @@ from oracle import (
 )
 from torch import nn
 
-from fastdp.layers import _matmul
+from fastdp.layers import _grams
 
 D = torch.float64
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
@@ -197,12 +197,12 @@ def test_fuzz_random_chains_with_gram_strips(mode, data):
     """The same chains with the ghost norms' Gram matrices cut into strips of 1 to 3 rows (the chains' positions
     are few, so the default rule would keep them whole): every ghost norm goes through ``strips_inner``."""
     rows = data.draw(st.integers(1, 3), label="strip rows")
-    saved = _matmul.GRAM_STRIP
-    _matmul.GRAM_STRIP = {"cpu": (rows, 1 << 30), "default": (rows, 1 << 30)}
+    saved = _grams.GRAM_STRIP
+    _grams.GRAM_STRIP = {"cpu": (rows, 1 << 30), "default": (rows, 1 << 30)}
     try:
         fuzz_once(data, mode=mode)
     finally:
-        _matmul.GRAM_STRIP = saved
+        _grams.GRAM_STRIP = saved
 
 
 @pytest.mark.slow

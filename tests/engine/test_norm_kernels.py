@@ -1,6 +1,6 @@
 """The per-sample norm kernels of the performance issue (15): fused row norms (``fastdp.norms.norm_sq``), Gram inner
 products (``fastdp.layers._factored.gram_inner``) and one input Gram shared by layers that read the same input
-(``fastdp.layers._matmul.shared_input_grams``). Each must release what the batch-of-one oracle releases; the
+(``fastdp.layers._grams.shared_input_grams``). Each must release what the batch-of-one oracle releases; the
 kernels are also checked against the plain formulas they replaced, including the shapes that take other branches.
 """
 
@@ -14,7 +14,7 @@ from oracle import assert_grads_close, ce_per_sample, oracle_release, run_engine
 from torch import nn
 
 from fastdp import norms
-from fastdp.layers import _factored, _matmul
+from fastdp.layers import _factored, _grams, _matmul
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -90,16 +90,16 @@ class Attention(nn.Module):
 def gram_calls(monkeypatch):
     """Count the input Grams formed and the ones taken from the cache."""
     counts = {"formed": 0, "shared": 0}
-    real_input_grams = _matmul.input_grams
+    real_input_grams = _grams.input_grams
 
     def counting(A, narrow=None):
-        cache = _matmul._input_grams.get()
+        cache = _grams._input_grams.get()
         key = None if cache is None else (A.data_ptr(), A.device, A.dtype, tuple(A.shape), A.stride(), A._version,
                                           narrow)
         counts["shared" if key is not None and key in cache else "formed"] += 1
         return real_input_grams(A, narrow)
 
-    monkeypatch.setattr(_matmul, "input_grams", counting)
+    monkeypatch.setattr(_grams, "input_grams", counting)
     return counts
 
 
@@ -108,7 +108,7 @@ def gram_calls(monkeypatch):
 @pytest.mark.parametrize("R", [0.05, 1e3])
 def test_q_k_v_share_one_input_gram_exactly(share, B, R, gram_calls, monkeypatch):
     # T = 6, d = 16: 2 T^2 = 72 < p d = 256 and p d > T (p + d) = 192: q, k, v take the ghost norm
-    monkeypatch.setattr(_matmul, "SHARE_INPUT_GRAMS", share)
+    monkeypatch.setattr(_grams, "SHARE_INPUT_GRAMS", share)
     torch.manual_seed(0)
     model = Attention(16).double()
     g = torch.Generator().manual_seed(B)
@@ -124,19 +124,19 @@ def test_q_k_v_share_one_input_gram_exactly(share, B, R, gram_calls, monkeypatch
 
 def test_the_gram_cache_lives_for_one_pass_only():
     A = torch.randn(2, 1, 3, 4)
-    assert _matmul._input_grams.get() is None
-    with _matmul.shared_input_grams():
-        first = _matmul.input_grams(A)
-        assert _matmul.input_grams(A) is first  # same tensor: the cached Gram
+    assert _grams._input_grams.get() is None
+    with _grams.shared_input_grams():
+        first = _grams.input_grams(A)
+        assert _grams.input_grams(A) is first  # same tensor: the cached Gram
         A.mul_(2)  # an in-place change bumps the version counter: a new Gram, not the stale one
-        torch.testing.assert_close(_matmul.input_grams(A)[0], A @ A.transpose(-1, -2))
-        assert _matmul.input_grams(A.clone()) is not first  # another storage
-        assert len(_matmul._input_grams.get()) == 1  # only the latest input's Gram is held
+        torch.testing.assert_close(_grams.input_grams(A)[0], A @ A.transpose(-1, -2))
+        assert _grams.input_grams(A.clone()) is not first  # another storage
+        assert len(_grams._input_grams.get()) == 1  # only the latest input's Gram is held
         other = torch.randn(2, 1, 5, 4)
-        _matmul.input_grams(other)
-        assert list(_matmul._input_grams.get().values())[0][0].shape == (2, 1, 5, 5)
-    assert _matmul._input_grams.get() is None  # freed with the context
-    assert _matmul.input_grams(A) is not _matmul.input_grams(A)  # outside: never cached
+        _grams.input_grams(other)
+        assert list(_grams._input_grams.get().values())[0][0].shape == (2, 1, 5, 5)
+    assert _grams._input_grams.get() is None  # freed with the context
+    assert _grams.input_grams(A) is not _grams.input_grams(A)  # outside: never cached
 
 
 # ---------------------------------------------------------------------------------------------- Gram strips
@@ -145,12 +145,12 @@ def test_the_gram_cache_lives_for_one_pass_only():
 @pytest.mark.parametrize("B,g", [(3, 1), (2, 3), (0, 1), (1, 2)])
 @pytest.mark.parametrize("align", [0, 4, 16])
 def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, align, monkeypatch):
-    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (b, 1 << 30), "default": (b, 1 << 30)})
-    monkeypatch.setattr(_matmul, "GRAM_ALIGN", {"cpu": align})
+    monkeypatch.setattr(_grams, "GRAM_STRIP", {"cpu": (b, 1 << 30), "default": (b, 1 << 30)})
+    monkeypatch.setattr(_grams, "GRAM_ALIGN", {"cpu": align})
     gen = torch.Generator().manual_seed(T * 31 + b)
     A = torch.randn(B, g, T, 5, generator=gen, dtype=torch.float64)
     G = torch.randn(B, g, T, 7, generator=gen, dtype=torch.float64)
-    strips = _matmul.gram_strips(A)
+    strips = _grams.gram_strips(A)
     r = T % align if align > 1 and T > align else 0  # leading positions in a strip of their own
     K = max(1, (T - r) // b)  # then strips of equal height ceil((T - r) / K); one below 2b rows
     h = -(-(T - r) // K) if T else 1
@@ -164,7 +164,7 @@ def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, align, monkeyp
         if r and lo == r:
             assert (T - lo) % align == 0  # the other strips cover a multiple of the alignment
     want = (full * (G @ G.transpose(-1, -2))).sum(dim=(1, 2, 3))
-    got = _matmul.strips_inner(strips, _matmul.gram_strips(G))
+    got = _grams.strips_inner(strips, _grams.gram_strips(G))
     assert got.shape == (B,)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # the ghost norm itself: ||G_i^T A_i||_F^2 summed over groups
@@ -176,14 +176,14 @@ def test_gram_strips_give_the_full_gram_inner_product(T, b, B, g, align, monkeyp
 def test_odd_positions_get_a_leading_strip_when_aligned(monkeypatch):
     # an alignment of 16 (benchmarks' "aligned Grams"): a ViT's 17 tokens are cut 1 + 16 (whole below 64 rows
     # otherwise), 257 as 1 + 4 x 64; not the default
-    assert _matmul.leading_rows(torch.randn(2, 1, 17, 8)) == 0
-    monkeypatch.setattr(_matmul, "GRAM_ALIGN", {"cpu": 16})
+    assert _grams.leading_rows(torch.randn(2, 1, 17, 8)) == 0
+    monkeypatch.setattr(_grams, "GRAM_ALIGN", {"cpu": 16})
     A = torch.randn(2, 1, 17, 8)
-    assert [tuple(s.shape) for s in _matmul.gram_strips(A)] == [(2, 1, 1, 17), (2, 1, 16, 16)]
-    assert [tuple(s.shape[2:]) for s in _matmul.gram_strips(torch.randn(1, 1, 257, 4))] == [
+    assert [tuple(s.shape) for s in _grams.gram_strips(A)] == [(2, 1, 1, 17), (2, 1, 16, 16)]
+    assert [tuple(s.shape[2:]) for s in _grams.gram_strips(torch.randn(1, 1, 257, 4))] == [
         (1, 257), (64, 256), (64, 192), (64, 128), (64, 64)]
-    assert len(_matmul.gram_strips(torch.randn(2, 1, 16, 8))) == 1  # a multiple of 16: whole
-    assert len(_matmul.gram_strips(torch.randn(2, 1, 15, 8))) == 1  # at most 16 positions: whole
+    assert len(_grams.gram_strips(torch.randn(2, 1, 16, 8))) == 1  # a multiple of 16: whole
+    assert len(_grams.gram_strips(torch.randn(2, 1, 15, 8))) == 1  # at most 16 positions: whole
 
 
 def test_gram_strips_take_fewer_multiply_adds():
@@ -199,9 +199,9 @@ def test_gram_strips_take_fewer_multiply_adds():
         return fc.get_total_flops()
 
     full = flops(lambda: torch.matmul(A, A.transpose(-1, -2)))
-    strips = flops(lambda: _matmul.gram_strips(A))
-    assert _matmul.strip_count(A) == 4 and strips * 8 == full * 5, (strips, full)
-    assert _matmul.strip_count(A[:, :, :127]) == 1 and _matmul.strip_count(A[:, :, :128]) == 2  # T // 64, at least 1
+    strips = flops(lambda: _grams.gram_strips(A))
+    assert _grams.strip_count(A) == 4 and strips * 8 == full * 5, (strips, full)
+    assert _grams.strip_count(A[:, :, :127]) == 1 and _grams.strip_count(A[:, :, :128]) == 2  # T // 64, at least 1
 
 
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-MixGhostClip", "BK-ghost", "ghost"])
@@ -210,8 +210,8 @@ def test_gram_strips_take_fewer_multiply_adds():
 def test_engine_with_gram_strips_matches_the_oracle(mode, B, align, monkeypatch):
     # strips of 2 rows over T = 6 positions (3 strips; with an alignment of 4, a leading strip of 2 rows and 2 strips
     # over the other 4), q/k/v sharing one input's strips
-    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (2, 8), "default": (2, 8)})
-    monkeypatch.setattr(_matmul, "GRAM_ALIGN", {"cpu": align})
+    monkeypatch.setattr(_grams, "GRAM_STRIP", {"cpu": (2, 8), "default": (2, 8)})
+    monkeypatch.setattr(_grams, "GRAM_ALIGN", {"cpu": align})
     torch.manual_seed(1)
     model = Attention(16).double()
     gen = torch.Generator().manual_seed(B)
@@ -237,7 +237,7 @@ class _ConvNet(nn.Module):
 def test_conv_patch_gram_in_strips_matches_the_oracle(B, monkeypatch):
     from fastdp.layers.kinds import conv as conv_kind
 
-    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (4, 8), "default": (4, 8)})
+    monkeypatch.setattr(_grams, "GRAM_STRIP", {"cpu": (4, 8), "default": (4, 8)})
     monkeypatch.setattr(conv_kind, "PIXEL_GRAMS", False)  # the patches' Gram, in strips of 4 of the 9 positions
     torch.manual_seed(2)
     model = _ConvNet().double()
@@ -251,11 +251,11 @@ def test_conv_patch_gram_in_strips_matches_the_oracle(B, monkeypatch):
 
 
 def test_strips_cut_differently_are_refused(monkeypatch):
-    monkeypatch.setattr(_matmul, "GRAM_STRIP", {"cpu": (64, 4), "default": (64, 4)})
+    monkeypatch.setattr(_grams, "GRAM_STRIP", {"cpu": (64, 4), "default": (64, 4)})
     A = torch.randn(2, 1, 256, 3)
-    strips = _matmul.gram_strips(A)
+    strips = _grams.gram_strips(A)
     assert len(strips) == 4
     with pytest.raises(ValueError, match="not cut the same way"):
-        _matmul.strips_inner(strips, [A @ A.transpose(-1, -2)])  # four strips against the whole matrix
+        _grams.strips_inner(strips, [A @ A.transpose(-1, -2)])  # four strips against the whole matrix
     with pytest.raises(ValueError, match="not cut the same way"):
-        _matmul.strips_inner(strips[:1], [strips[0][..., :10]])  # one strip each, of other shapes
+        _grams.strips_inner(strips[:1], [strips[0][..., :10]])  # one strip each, of other shapes

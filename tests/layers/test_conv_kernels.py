@@ -183,8 +183,8 @@ def test_engine_with_forced_chunks_and_grouped_kernel_matches_the_oracle(mode, m
 @pytest.mark.parametrize("name", list(CONVS))
 def test_ghost_norm_inside_a_shared_gram_pass(name, monkeypatch):
     """Chunks' patches are fresh tensors that the allocator may place at the same address: the ghost norm must not
-    take one chunk's input Gram from the cache of :func:`fastdp.layers._matmul.shared_input_grams` for the next."""
-    from fastdp.layers._matmul import shared_input_grams
+    take one chunk's input Gram from the cache of :func:`fastdp.layers._grams.shared_input_grams` for the next."""
+    from fastdp.layers._grams import shared_input_grams
 
     conv, call, want = _call(name, 5)
     monkeypatch.setitem(convmod.PATCH_CHUNK_BYTES, "cpu", 1)

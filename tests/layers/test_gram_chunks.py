@@ -1,4 +1,4 @@
-"""Gram matrices of wide rows summed in chunks of columns (``fastdp.layers._matmul.gram_product``), and the width the
+"""Gram matrices of wide rows summed in chunks of columns (``fastdp.layers._grams.gram_product``), and the width the
 cancellation guard charges for them (``gram_width``).
 
 The guard (``fastdp.layers._rounding``) flags a ghost norm ``sq`` when it is below ``2^6`` times a worst-case bound
@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from fastdp.layers import _matmul, _rounding
+from fastdp.layers import _grams, _matmul, _rounding
 
 U = 2.0**-24
 
@@ -24,12 +24,12 @@ U = 2.0**-24
 @pytest.mark.parametrize("m", [1, 7, 1024, 1025, 4608, 8000, 50257])
 def test_chunks_cover_the_width_within_the_limit(m):
     X = torch.zeros(1, 1, 2, m)
-    w, c = _matmul._chunking(X)
-    limit = _matmul.GRAM_CHUNK["cpu"]
+    w, c = _grams._chunking(X)
+    limit = _grams.GRAM_CHUNK["cpu"]
     assert c == max(1, math.ceil(m / limit)) and w <= max(limit, m if c == 1 else 0) and w * c >= m
     assert (w - 1) * c < m  # no empty chunk
-    assert _matmul.gram_width(X) == (m if c == 1 else w + c) <= m
-    assert _matmul._chunking(torch.zeros(1, 1, 2, m, device="meta")) == (m, 1)  # a device not listed: one product
+    assert _grams.gram_width(X) == (m if c == 1 else w + c) <= m
+    assert _grams._chunking(torch.zeros(1, 1, 2, m, device="meta")) == (m, 1)  # a device not listed: one product
 
 
 @pytest.mark.parametrize("T,m", [(130, 3000), (64, 1500), (17, 4608)])
@@ -38,10 +38,10 @@ def test_chunked_entries_stay_within_the_charged_bound(T, m):
     chunked strips equal the whole product's to that rounding."""
     gen = torch.Generator().manual_seed(T + m)
     X = torch.randn(2, 1, T, m, generator=gen) + 3.0 * torch.randn(m, generator=gen)  # rows sharing a pattern
-    strips = _matmul.gram_strips(X)
+    strips = _grams.gram_strips(X)
     whole = X.double() @ X.double().transpose(-1, -2)
     mags = X.double().abs() @ X.double().abs().transpose(-1, -2)
-    width = _matmul.gram_width(X)
+    width = _grams.gram_width(X)
     assert width < m
     lo = 0
     for s in strips:
@@ -67,7 +67,7 @@ def test_a_vocabulary_wide_head_is_not_flagged_by_the_bounds_looseness(chunked, 
     """Chunked: ``sq / err`` far above the guard's ``2^6``. Over the whole width (the mutation: ``GRAM_CHUNK``
     empty) the same head is flagged, as GPT-2's was. Both ways the computed norm is within ``err`` of the exact one."""
     if not chunked:
-        monkeypatch.setattr(_matmul, "GRAM_CHUNK", {})
+        monkeypatch.setattr(_grams, "GRAM_CHUNK", {})
     H, G = _head_case(0.0)
     sq, err, bound = _matmul.ghost_norm_parts(H, G, share=False)
     exact = torch.einsum("bgtp,bgtd->bgpd", G.double(), H.double()).square().sum(dim=(1, 2, 3))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp.layers import _matmul
+from fastdp.layers import _matmul, _products
 from fastdp.layers._factored import Factors
 from fastdp.layers.base import to_accumulation
 from fastdp.layers.registry import register
@@ -65,7 +65,7 @@ class HFConv1DKind(_matmul.OuterProductKind):
         narrow = _matmul.narrow_of(ctx)
         if narrow is None:
             return torch.einsum("bgtd,bgtp->bdp", A, G)
-        return _matmul.product(A.transpose(-1, -2), G, narrow).reshape(A.shape[0], A.shape[-1], G.shape[-1])
+        return _products.product(A.transpose(-1, -2), G, narrow).reshape(A.shape[0], A.shape[-1], G.shape[-1])
 
     def clipped_sum(self, module: nn.Module, ctx: Any, name: str, coef: torch.Tensor) -> torch.Tensor:
         if name == "bias":
