@@ -294,7 +294,8 @@ def test_dropout_in_train_mode_no_false_refusal_and_results_unchanged():
     m_on, m_off = _gpt2_dropout(), _gpt2_dropout()
     eng, l_on, rng_on = _step(m_on, True, batches)
     _, l_off, rng_off = _step(m_off, False, batches)
-    assert eng.probe_stats["probes"] == 1 and eng.probe_stats["signatures"] == 1  # 3 batches, one signature
+    # 3 batches, one signature, probed at its two batch sizes (4 and 3)
+    assert eng.probe_stats["probes"] == 2 and eng.probe_stats["signatures"] == 1
     assert eng.probe_stats["eval_retries"] == 0
     assert torch.equal(rng_on, rng_off), "the probe changed the RNG stream"
     for a, b in zip(l_on, l_off, strict=True):
@@ -344,18 +345,18 @@ def test_once_per_signature():
     eng = make_engine(m, batch_size=4, R=R)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     eng.attach(opt)
-    for B in (4, 3, 2, 3):  # Poisson sizes: one signature (no size coincides with B)
+    for B in (4, 3, 2, 3):  # Poisson sizes: one signature (no size coincides with B), probed at its first two sizes
         x, y = _data(B, 6, 5, seed=B)
         mse(m(x), y).mean().backward()
         opt.step()
-    assert eng.probe_stats["probes"] == 1 and eng.probe_stats["signatures"] == 1
+    assert eng.probe_stats["probes"] == 2 and eng.probe_stats["signatures"] == 1
     x, y = _data(6, 6, 5)  # B == T: a new coincidence, probed (and exact)
     mse(m(x), y).mean().backward()
     opt.step()
-    assert eng.probe_stats["probes"] == 2
+    assert eng.probe_stats["probes"] == 3
     with torch.no_grad():
         m(x)  # no grad: never probed
-    assert eng.probe_stats["probes"] == 2
+    assert eng.probe_stats["probes"] == 3
 
 
 class NoisyInTraining(TwoLayer):
