@@ -251,15 +251,25 @@ def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sq, err, bound_sq)`` ``(B,)`` each, for :func:`guarded_sq`, of the ghost norm ``<K_i, L_i>`` of two whole
     symmetric Grams ``(B, g, T, T)`` whose entries are products of ``width_k`` and ``width_l`` numbers (``0``: an
-    exact Gram, e.g. a token-equality mask)."""
-    nk, nl = diagonal_norms(K, width_k), diagonal_norms(L, width_l)
-    err = torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
+    exact Gram, e.g. a token-equality mask).
+
+    ``err`` is :func:`gram_rounding` of each Gram against the other, written for a Gram's own rows (``X = Y``, so
+    ``||(||x_t||)_t||^2`` is the sum of the diagonal's upper bounds, :func:`diagonal_squares`): the same bound in
+    about two thirds of the small operations (a ghost norm's guard is a fixed cost per layer, 0.3 ms on a 2-core
+    CPU for ``(32, 1, 65, 65)`` Grams before)."""
+    sk, sl = diagonal_squares(K, width_k), diagonal_squares(L, width_l)
+    nk, nl = sk.sqrt(), sl.sqrt()
+    u, eta = roundoffs(K.dtype)
+    under = eta * K.shape[-1]  # eta sqrt(Tx Ty), Tx = Ty = T
     red = reduction_width(K.dtype, math.prod(K.shape[1:]))  # the final sum's, charged to one Gram's term
+    terms = None
     if width_k:
-        err = err + gram_rounding(frobenius(L), nk, nk, width_k + red)
+        terms = sk.sum(-1).mul_(u).add_(under).mul_(frobenius(L)).mul_(width_k + red)
         red = 0
     if width_l:
-        err = err + gram_rounding(frobenius(K), nl, nl, width_l + red)
+        t = sl.sum(-1).mul_(u).add_(under).mul_(frobenius(K)).mul_(width_l + red)
+        terms = t if terms is None else terms.add_(t)
+    err = terms.sum(-1) if terms is not None else torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
     return _factored.gram_inner(K, L), err, triangle_bound_sq(nk, nl)
 
 
@@ -282,14 +292,19 @@ def triangle_bound_sq(norms_left: torch.Tensor, norms_right: torch.Tensor | floa
     return (norms_left * norms_right).sum(-1).square().sum(-1)
 
 
-def diagonal_norms(gram: torch.Tensor, width: int = 0) -> torch.Tensor:
-    """``(B, g, T)``: the positions' norms from a Gram matrix's ``(B, g, T, T)`` diagonal, each at least the true one:
-    ``sqrt((D_t + width eta) / (1 - width u))``, ``D_t`` the computed ``||x_t||^2`` of ``width`` squares (off by at
-    most ``width (u ||x_t||^2 + eta)`` in any order, :func:`gram_rounding`); ``width`` 0: an exact Gram (a
+def diagonal_squares(gram: torch.Tensor, width: int = 0) -> torch.Tensor:
+    """``(B, g, T)``: the positions' squared norms from a Gram matrix's ``(B, g, T, T)`` diagonal, each at least the
+    true one: ``(D_t + width eta) / (1 - width u)``, ``D_t`` the computed ``||x_t||^2`` of ``width`` squares (off by
+    at most ``width (u ||x_t||^2 + eta)`` in any order, :func:`gram_rounding`); ``width`` 0: an exact Gram (a
     token-equality mask). Without the slack a row of entries below ``2^-75`` (float32) had norm 0, and so did the
     triangle bound that caps a flagged sample's raised norm."""
     diag = torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0)
-    return (upper_sq(diag, width) if width else diag).sqrt()
+    return upper_sq(diag, width) if width else diag
+
+
+def diagonal_norms(gram: torch.Tensor, width: int = 0) -> torch.Tensor:
+    """``(B, g, T)``: the square roots of :func:`diagonal_squares`, the positions' norms, never below the true ones."""
+    return diagonal_squares(gram, width).sqrt()
 
 
 #: an operand entry at or above ``NORM_RANGE / sqrt(width)`` (``width``: the entries of one position) puts its sample
