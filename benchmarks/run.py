@@ -137,7 +137,8 @@ def max_batch(args: argparse.Namespace, w: zoo.Workload, method: str, cap: int) 
 
 def summarize(rows: dict[str, dict], base: str) -> None:
     """Add medians and ratios to the base method (in place): ``median_s``, ``time_ratio``, ``cpu_time_ratio``,
-    ``memory_ratio``, ``live_ratio``, ``flop_ratio`` (matrix-product FLOPs), ``probe_median_s``."""
+    ``memory_ratio``, ``live_ratio``, ``flop_ratio`` (matrix-product FLOPs), ``probe_median_s``, ``probe_runs``
+    (the probe's runs in one whole run)."""
     b = rows.get(base, {})
     base_t = statistics.median(b["times_s"]) if b.get("times_s") else None
     base_c = statistics.median(b["cpu_times_s"]) if b.get("cpu_times_s") else None
@@ -159,6 +160,9 @@ def summarize(rows: dict[str, dict], base: str) -> None:
         probes = [p for p in r.get("probe_s", []) if p is not None]
         if probes:
             r["probe_median_s"] = statistics.median(probes)
+        runs = [n for n in r.get("probes", []) if n is not None]
+        if runs:
+            r["probe_runs"] = statistics.median(runs)
 
 
 def run_workload(args: argparse.Namespace, preset: presets.Preset, w: zoo.Workload, methods: list[str]) -> dict:

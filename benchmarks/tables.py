@@ -91,6 +91,8 @@ def header(results: dict) -> str:
     elif kind == "runs":
         text += (f" {cfg['reps']} alternating rounds of whole {cfg['steps']}-step runs, each with a freshly built "
                  "model and engine; medians.")
+        if any(r.get("probe_runs") is not None for wl in results["workloads"] for r in wl["methods"].values()):
+            text += " Batches of B and B - 1 samples in turn, as batch sizes change under Poisson sampling."
     else:
         text += f" Median of {cfg['reps']} alternating calls after {cfg['warmup']} warm-up call(s)."
     if any(u for u in results.get("updates", [])):
@@ -272,14 +274,16 @@ def render_on_arrival(results: dict) -> str:
 def render_probe(results: dict) -> str:
     off = f"{D}, no probe"
     lines = [header(results), "",
-             "| workload | run with the probe (s) | without (s) | ratio | the probe itself (s) | probe / run without |",
-             "|---|---|---|---|---|---|"]
+             "| workload | run with the probe (s) | without (s) | ratio | the probe itself (s) | probe runs | "
+             "probe / run without |",
+             "|---|---|---|---|---|---|---|"]
     for wl in results["workloads"]:
         on, of = wl["methods"].get(D, {}), wl["methods"].get(off, {})
         p, t = on.get("probe_median_s"), of.get("median_s")
         share = _fmt(100 * p / t if p is not None and t else None, ".2f", " %")
         lines.append(f"| {wl['describe']}, B {wl['workload']['batch']} | {_fmt(on.get('median_s'), '.2f')} | "
-                     f"{_fmt(t, '.2f')} | {_ratio(on, 'time_ratio')} | {_fmt(p, '.3f')} | {share} |")
+                     f"{_fmt(t, '.2f')} | {_ratio(on, 'time_ratio')} | {_fmt(p, '.3f')} | "
+                     f"{_fmt(on.get('probe_runs'), '.0f')} | {share} |")
     return "\n".join(lines)
 
 

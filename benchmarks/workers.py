@@ -146,9 +146,13 @@ def matmul_flops(step: Callable[[tuple[torch.Tensor, torch.Tensor]], None],
 
 def worker_runs(w: zoo.Workload, methods: list[str], device: torch.device, reps: int, steps: int) -> dict:
     """``reps`` alternating rounds; in each, every method builds its model and engine afresh and runs ``steps``
-    steps. Returns {method: {"times_s": [run seconds], "probe_s": [engine.probe_stats["seconds"] per run]}}."""
-    out: dict[str, dict] = {m: {"times_s": [], "probe_s": []} for m in methods}
-    data = zoo.make_batch(w, device)
+    steps, on batches of ``B`` and ``B - 1`` samples in turn (batch sizes change from step to step under Poisson
+    sampling, and the structure probe verifies each input signature at two of them). Returns {method: {"times_s":
+    [run seconds], "probe_s": [engine.probe_stats["seconds"] per run], "probes": [engine.probe_stats["probes"] per
+    run]}}."""
+    out: dict[str, dict] = {m: {"times_s": [], "probe_s": [], "probes": []} for m in methods}
+    full = zoo.make_batch(w, device)
+    batches = [full, tuple(t[:-1] for t in full)] if w.batch > 2 else [full]
     for order in _rotations(list(methods), reps):
         for m in order:
             if "error" in out[m]:
@@ -157,12 +161,13 @@ def worker_runs(w: zoo.Workload, methods: list[str], device: torch.device, reps:
                 step = zoo.make_step(w, m, device)
                 sync(device)
                 t0 = time.perf_counter()
-                for _ in range(steps):
-                    step(data)
+                for k in range(steps):
+                    step(batches[k % len(batches)])
                 sync(device)
                 out[m]["times_s"].append(time.perf_counter() - t0)
                 engine = getattr(step, "engine", None)
                 out[m]["probe_s"].append(engine.probe_stats["seconds"] if engine is not None else None)
+                out[m]["probes"].append(engine.probe_stats["probes"] if engine is not None else None)
             except Exception as e:
                 out[m] = {"error": failure(e)}
     return out

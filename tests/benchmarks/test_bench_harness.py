@@ -259,6 +259,9 @@ def test_every_preset_runs_in_quick_mode_and_renders(name, tmp_path, capsys):
     if name == "probe-cost":  # the probe ran in the runs with it, and not in the others
         for wl in results["workloads"]:
             assert wl["methods"][zoo.DEFAULT_METHOD]["probe_median_s"] > 0
+            # batches of B and B - 1 in turn: the probe verifies the signature at both sizes
+            two = results["config"]["steps"] >= 2 and wl["workload"]["batch"] > 2
+            assert wl["methods"][zoo.DEFAULT_METHOD]["probe_runs"] == (2 if two else 1)
             assert wl["methods"][f"{zoo.DEFAULT_METHOD}, no probe"]["probe_s"] == [0.0]
     text = tables.render(results)
     printed = capsys.readouterr().out
