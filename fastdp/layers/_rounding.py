@@ -227,10 +227,12 @@ def exact_flagged(sq: torch.Tensor, err: torch.Tensor, bound_sq: torch.Tensor,
     in the backward pass), where ``factors_of(index)`` (the parameter's uses restricted to the samples ``index``)
     gives ``None``, or beyond :data:`EXACT_MAX_NUMBERS`. A sample whose ``err`` or bound is not finite keeps the
     raised norm, and so does one flagged narrowly, whose raise is at most :data:`EXACT_WORTH` of its norm."""
+    if deferred.defers(sq.device) or sq.numel() == 0:
+        return with_contraction(guarded_sq(sq, err, bound_sq), bound_sq, positions), None
+    if not bool((~(sq >= CANCELLATION_GUARD * err)).any()):  # (the common case, read first: guarded_sq is sq)
+        return with_contraction(sq, bound_sq, positions), None
     guarded = guarded_sq(sq, err, bound_sq)
     raised = with_contraction(guarded, bound_sq, positions)
-    if deferred.defers(sq.device) or sq.numel() == 0:
-        return raised, None
     flagged = ((sq < CANCELLATION_GUARD * err) & (guarded > (1.0 + EXACT_WORTH) ** 2 * sq.clamp(min=0))
                & err.isfinite() & bound_sq.isfinite())
     if not bool(flagged.any()):
