@@ -128,6 +128,13 @@ class ProbeState:
     #: (fastdp.layers.fold_guard) runs at their later calls, to check each call's rows (fastdp.capture_fold)
     chooses: set[Any] = field(default_factory=set)
 
+    def verified(self, sig: Any, batch: int | None) -> bool:
+        """Whether a call of input signature ``sig`` with ``batch`` samples is verified: the probe passed at this
+        batch size, or at :data:`fastdp.probe.SIZES_PER_SIGNATURE` sizes (a call at a size whose probe was postponed
+        or inconclusive is not)."""
+        sizes = self.sizes.get(sig)
+        return bool(sizes) and (batch in sizes or len(sizes) >= probe.SIZES_PER_SIGNATURE)
+
 
 #: why a model run under ``torch.compile`` is refused, and what to do (docs/guide/integrations.md#torchcompile)
 COMPILE_REFUSAL = (
@@ -404,7 +411,7 @@ class Capture:
             frame.loss_sig = sig if self.loss.take(sig) else None
             frame.trace_sig = sig if self.trace.take(sig) and not run_by_torch_compile() else None
         if B >= 2 and self.engine.verify_structure and (self.probe.folds.get(sig) or sig in self.probe.chooses
-                                                        or sig not in self.probe.seen):
+                                                        or not self.probe.verified(sig, B)):
             # (an unverified signature: a fold is refused, and why is said first)
             capture_fold.enter_guard(frame, args, kwargs)
         return replaced

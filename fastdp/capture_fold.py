@@ -132,7 +132,7 @@ def fold_of(cap: Any, module: nn.Module, label: str, foldable: bool, rows: int, 
                 batchdim.fold_rules(k, frame.sizes))
         return k
     sig = cap.roots[0].sig if cap.roots else None
-    if sig not in cap.probe.seen:
+    if not cap.probe.verified(sig, cap.roots[0].batch if cap.roots else None):
         why = cap.probe.unverified.get(sig, "it did not run" if cap.engine.verify_structure else "it is off")
         raise RuntimeError(
             f"{head}. The structure probe has not verified this input signature ({why}), and rows are taken as "

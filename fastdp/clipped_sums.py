@@ -306,12 +306,14 @@ def _clipped_sums(records: list[Record], param_of: dict[tuple[int, str], nn.Para
         elif bool(bad.any()):
             idx = bad.nonzero().flatten().tolist()
             if cfg.on_nonfinite not in ("zero", "scaler"):
-                raise NonFiniteGradientError(
+                err = NonFiniteGradientError(
                     f"the per-sample gradients of samples {idx[:10]}{'...' if len(idx) > 10 else ''} of this batch "
                     "(positions in the physical batch) contain NaN or infinity (or a layer's input or output "
                     "gradient of about 1e19 or more, where squared norms overflow float32). Nothing was released. "
                     "Fix the model or data (e.g. a log of 0, an overflow in half precision), or build the engine with "
                     "on_nonfinite='zero' to give such samples clipping factor 0 (still private).")
+                err.fastdp_samples = tuple(idx)  # (the structure probe probes the other samples)
+                raise err
             for rec in records:
                 _sanitize(rec, bad)
             result = _clipped_sums(records, param_of, cfg, stream)

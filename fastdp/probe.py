@@ -18,9 +18,9 @@ grad mode, autocast state and the model's training flag -- not the exact sizes, 
 lengths do not re-probe, but a new coincidence (``T == B``) is a new signature and is probed then. A verified
 signature is probed once more at the first call with another batch size (``SIZES_PER_SIGNATURE``: two sizes): what
 a model does to the rows can depend on the batch size, which the signature does not fix (rows rolled by a constant 4
-are the identity at ``B = 2``). That second probe's fold rules and data-chosen rows add to the first's; its learned
-layouts replace them; if it is inconclusive or postponed, the first size's layouts stay and the next new size is
-probed.
+are the identity at ``B = 2``). That second probe's fold rules, data-chosen rows and learned layouts add to the
+first's; if it is inconclusive or postponed, the first size's stay, the call is unverified (as a first size's would
+be: a fold there is refused), and the next new size is probed.
 
 **What.** With every random generator forked (nothing the user sees changes: no RNG draw, no pending record, no
 accumulated sum, no step, no ``generic_stats``), under a torch-function mode that turns dropout into the identity
@@ -200,6 +200,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
         engine._capture.probe.chooses.discard(sig)  # and whether it sees rows chosen by the data (capture_fold)
     engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
     broadcast = engine_failed = False
+    retry: tuple[list[int] | None, str] = (None, "raise")  # the probe samples and policy of a retry (non-finite)
     suspects: list[str] = []
     fell_back: bool | None = None
     try:
@@ -229,18 +230,30 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                 engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
                 with DeterministicDropout():
                     findings = _run(engine, model, args, kwargs, B)
+            if findings and _nonfinite_data(engine, findings):
+                # the engine's pass refused samples with non-finite gradients, which the engine's policy zeroes in
+                # the real pass: probe again on the other samples, with that policy (the structure at this batch
+                # size is read from them; the probe is postponed only when none is left)
+                bad = {i for f in findings for i in f.samples}
+                good = [i for i in range(B) if i not in bad]
+                if bad and good:
+                    logger.info("structure probe: samples %s of the batch have non-finite gradients; probing samples "
+                                "%s instead", sorted(bad)[:10], sorted({good[0], good[-1]}))
+                    engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
+                    engine._capture.probe.inconclusive = False
+                    retry = (sorted({good[0], good[-1]}), "zero")
+                    with DeterministicDropout():
+                        findings = _run(engine, model, args, kwargs, B, *retry)
             broadcast = bool(engine._capture.probe.broadcast)
             engine_failed = bool(engine._capture.probe.outside)  # the real pass raises the outside use itself
             suspects = _labels(model, engine._capture.probe.broadcast)
             if findings and _nonfinite_data(engine, findings):
-                # the engine's pass refused a sample with non-finite gradients, which the engine's policy zeroes in
-                # the real pass: nothing about the structure can be read from this batch; probed at the next call
                 logger.info("structure probe postponed: a sample of this batch has non-finite gradients "
                             "(on_nonfinite=%r); the signature is probed again at its next call",
                             engine.clip_config.on_nonfinite)
                 findings = None
             elif findings and (broadcast or engine_failed):
-                fell_back = _fallback(engine, model, args, kwargs, B)
+                fell_back = _fallback(engine, model, args, kwargs, B, *retry)
                 if fell_back:
                     findings = []
                 elif _model_raises(engine, model, args, kwargs, findings):
@@ -258,28 +271,32 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
             engine_failed or all(f.check == _ENGINE_FAILED for f in findings))):
         # the model raised in a plain pass, or the engine's pass raised: the real pass raises the same error
         first = ((findings[0].detail or findings[0].check).splitlines() or [""])[0][:300] if findings else ""
+        at = f" at batch size {B} (verified at {sorted(verified_at)})" if again else ""
+        unverified[sig] = (f"its engine pass raised{at} {first}" if first else f"it was postponed{at}: a sample of "
+                           "the batch had non-finite gradients, or the model raised")
         if again:  # verified at another batch size: its layouts stay; probed again at the next new size
             engine._capture.owner_layouts.start(sig)
-        else:
-            unverified[sig] = (f"its engine pass raised {first}" if first else "it was postponed: a sample of the "
-                               "batch had non-finite gradients, or the model raised")
         return
     if findings:
         raise StructureError(_message(engine, findings, B, sig, random_ops, suspects, fell_back is False,
                                       sorted(verified_at)))
     if engine._capture.probe.inconclusive:
+        unverified[sig] = "every per-sample gradient of the batch was at rounding level" + (
+            f" at batch size {B} (verified at {sorted(verified_at)})" if again else "")
         if again:
             engine._capture.owner_layouts.start(sig)
         else:
             engine._capture.owner_layouts.by_signature.pop(sig, None)
-            unverified[sig] = "every per-sample gradient of the batch was at rounding level"
         logger.info("structure probe inconclusive (batch %d): every per-sample gradient is at rounding level; the "
                     "signature is probed again at its next call%s", B, " with a new batch size" if again else "")
         return
     unverified.pop(sig, None)
     engine._capture.probe.seen.add(sig)
     engine._capture.probe.sizes.setdefault(sig, set()).add(B)
-    engine._capture.owner_layouts.by_signature[sig] = engine._capture.probe.learned
+    # a second size's layouts add to the first's (a call its probe samples did not see alike keeps the first's)
+    engine._capture.owner_layouts.by_signature[sig] = {
+        **((engine._capture.owner_layouts.by_signature.get(sig) or {}) if again else {}),
+        **engine._capture.probe.learned}
     engine._capture.owner_layouts.start(sig)
     stats["signatures"] = len(engine._capture.probe.seen)
     logger.info("structure probe passed (batch %d%s, %d probe samples, %.3fs)", B,
@@ -287,7 +304,8 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                 len(_probe_indices(B)), time.perf_counter() - t0)
 
 
-def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int) -> bool | None:
+def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,
+              indices: list[int] | None = None, on_nonfinite: str = "raise") -> bool | None:
     """Broadcast outputs were expanded and the probe failed (e.g. ``wpe(position_ids)[0]``, or the expansion broke
     the model): stop expanding them by making an ancestor the generic owner of their parameters (the ancestor's
     per-sample replay differentiates only those; the forward is untouched), nearest first, and probe again. Returns
@@ -320,7 +338,7 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
         engine._rebuild_owners()
         engine._capture.probe.broadcast, engine._capture.probe.outside = [], []
         with DeterministicDropout():
-            findings = _run(engine, model, args, kwargs, B)
+            findings = _run(engine, model, args, kwargs, B, indices, on_nonfinite)
         outside = bool(engine._capture.probe.outside)  # (the real pass would refuse: e.g. an owner never called as a
         add_suspects()  # module, timm's rel_pos.get_bias() reading rel_pos.mlp from the attention's forward)
         if findings == [] and not outside:
@@ -340,7 +358,7 @@ def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict
 
 
 def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-         B: int, indices: list[int] | None = None) -> list[Finding]:
+         B: int, indices: list[int] | None = None, on_nonfinite: str = "raise") -> list[Finding]:
     names = list(engine._trainable)
     params = [engine._trainable[n] for n in names]
     indices = _probe_indices(B) if indices is None else indices
@@ -406,7 +424,7 @@ def _run(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     try:
         kept, found, changed = _apply_layouts(records, learned, B)
         findings += found
-        rows, total, weights = _engine_sums(engine, kept, params, indices, B, gen)
+        rows, total, weights = _engine_sums(engine, kept, params, indices, B, gen, on_nonfinite)
     except (torch.OutOfMemoryError, MemoryError):
         raise
     except Exception as e:  # noqa: BLE001 - the real pass raises the same error (with the size rule: see below)

@@ -128,6 +128,7 @@ class Finding:
     index: int | None = None
     detail: str = ""
     params: tuple[str, ...] = ()  # parameters a failed pass named (a generic owner whose replay raised)
+    samples: tuple[int, ...] = ()  # samples a failed pass found non-finite (NonFiniteGradientError)
 
     def line(self) -> str:
         at = f" of sample {self.index}" if self.index is not None else ""
@@ -211,7 +212,7 @@ def _engine_failed(e: BaseException) -> Finding:
         hint = (" [raised inside transformers' key/value cache: the model updates a cache in its forward, which a "
                 "per-sample replay repeats; call it with use_cache=False for training]")
     return Finding(_ENGINE_FAILED, "", math.inf, detail=f"{type(e).__name__}: {e}{hint}",
-                   params=tuple(getattr(e, "fastdp_params", ())))
+                   params=tuple(getattr(e, "fastdp_params", ())), samples=tuple(getattr(e, "fastdp_samples", ())))
 
 
 def _free(records: list[Any]) -> None:
@@ -396,9 +397,10 @@ def _engine_pass(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: d
 
 
 def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], indices: list[int], B: int,
-                 gen: torch.Generator) -> tuple[Any, ...]:
+                 gen: torch.Generator, on_nonfinite: str = "raise") -> tuple[Any, ...]:
     """From the engine pass's records: per-sample rows for ``indices`` and, by the engine's clipping mode, the sum
-    weighted by random factors on ``indices`` (zero elsewhere)."""
+    weighted by random factors on ``indices`` (zero elsewhere). ``on_nonfinite="zero"``: samples with non-finite
+    gradients (none of ``indices``) get factor 0 and their rows are zeroed, as the engine's policy does."""
     w = torch.zeros(B, dtype=torch.float64)
     w[indices] = torch.rand(len(indices), generator=gen, dtype=torch.float64) + 0.5
     weights = {i: float(w[i]) for i in indices}
@@ -408,7 +410,7 @@ def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], in
             rows = _rows(records, engine.plan.param_of, params, indices)
             cfg = ClipConfig(mode=engine.clip_config.mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
                              thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
-                             on_nonfinite="raise")
+                             on_nonfinite=on_nonfinite)
             res = clipped_sums(records, engine.plan.param_of, cfg).sums if records else {}
         total = [res.get(p) for p in params]
     finally:

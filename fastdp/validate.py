@@ -198,13 +198,16 @@ def verify_structure(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, A
     Raises:
         fastdp.StructureError: the engine's per-sample gradients of ``model`` do not match a batch-of-one
             computation (batch axis not first, samples mixed, ...): the model cannot be trained privately as is.
-        ValueError: a batch size below 2, or the probe could not verify this call (every per-sample gradient ~0 at
-            this input); a model the engine refuses raises the engine's error.
+        ValueError: a batch size below 2, or the probe could not verify this call at both batch sizes (every
+            per-sample gradient ~0 at this input); a model the engine refuses raises the engine's error.
+        fastdp.StructureError: also when the probe passed only after its fallback, which gives some parameters to
+            an ancestor's per-sample replay: an engine with ``verify_structure=False`` does not make that change.
     """
     import warnings
 
     from fastdp.engine import PrivacyEngine
     from fastdp.layers.batchdim import infer_batch_size
+    from fastdp.probe import StructureError
 
     B = infer_batch_size(args, kwargs)
     if B is None or B < 2:
@@ -223,12 +226,23 @@ def verify_structure(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, A
                                  and x.shape[0] == B else x, (tuple(args), dict(kwargs)))
                 model(*first[0], **first[1])
         stats = dict(engine.probe_stats)
+        sizes = sorted(n for s in engine._capture.probe.sizes.values() for n in s)
+        moved = {k or "<root>": list(v) for k, v in engine._extra_owned.items()}
     finally:
         engine.detach()
-    if stats["signatures"] < 1:
+    if stats["signatures"] < 1 or (B >= 3 and len(sizes) < 2):
         raise ValueError(
-            "the structure probe could not verify this call: give a batch whose per-sample gradients are not all ~0 "
-            "(e.g. random inputs)")
+            f"the structure probe could not verify this call at batch size {B} and at its first {B - 1} samples "
+            f"(verified at {sizes}): give a batch whose per-sample gradients are not all ~0, in its first {B - 1} "
+            "samples too (e.g. random inputs)")
+    if moved:
+        raise StructureError(
+            f"the structure probe verified this model only after giving parameters to an ancestor's per-sample "
+            f"replay ({moved}: a layer output used without its batch dimension, e.g. emb(position_ids)[0], or a "
+            "parameter read outside its module's call). An engine with verify_structure=False, as a sharded one "
+            "runs, does not make that change, and would release those parameters' gradients wrong. Keep the batch "
+            "dimension on such outputs (position ids of shape (1, T), without [0]), tie weights through modules, "
+            "or freeze those parameters.")
     logger.info("verify_structure: model verified at this input signature in %.2f s", stats["seconds"])
     return stats
 

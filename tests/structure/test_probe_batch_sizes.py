@@ -38,7 +38,7 @@ class Rolled(nn.Module):
     def __init__(self, how: str, shift: int):
         super().__init__()
         self.how, self.shift = how, shift
-        self.proj = nn.Linear(2, DIM)
+        self.proj = nn.Linear(2, DIM) if how in ("repeat", "broadcast") else None
         self.inner = (nn.Linear(DIM, DIM) if how == "folded-linear" else nn.BatchNorm1d(DIM) if how == "folded-bn"
                       else None)
         self.head = nn.Linear(DIM, 2)
@@ -66,7 +66,7 @@ class Rolled(nn.Module):
             h = x + pos.roll(self.shift, 0)
         else:
             rows = x.flatten(0, 1).roll(self.shift, 0)  # (B T, d), row r is sample r // T's before the roll
-            h = self.inner(rows).roll(-self.shift, 0).view(B, T, DIM) + self.proj.bias
+            h = self.inner(rows).roll(-self.shift, 0).view(B, T, DIM)
         return self.head(torch.tanh(h)).mean(1)
 
 
