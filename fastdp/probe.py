@@ -256,6 +256,7 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
                 fell_back = _fallback(engine, model, args, kwargs, B, *retry)
                 if fell_back:
                     findings = []
+                    _forget_others(engine, sig)
                 elif _model_raises(engine, model, args, kwargs, findings):
                     findings = None  # the model's own error (T5 without decoder_input_ids): the real pass raises it
     finally:
@@ -302,6 +303,20 @@ def maybe_probe(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: di
     logger.info("structure probe passed (batch %d%s, %d probe samples, %.3fs)", B,
                 f", the signature's second batch size after {sorted(verified_at)}" if again else "",
                 len(_probe_indices(B)), time.perf_counter() - t0)
+
+
+def _forget_others(engine: Any, sig: tuple[Any, ...]) -> None:
+    """The fallback changed the owners: what the probe verified for the other input signatures (their sizes, fold
+    rules, the old owners' learned layouts) was about the old owners, so each is probed again at its next call.
+    (Kept, a signature whose ``B`` equals a sequence length met the new owner without a layout: its replay failed.)"""
+    st = engine._capture.probe
+    for other in [k for k in st.seen if k != sig]:
+        st.seen.discard(other)
+        st.sizes.pop(other, None)
+        st.folds.pop(other, None)
+        st.chooses.discard(other)
+        engine._capture.owner_layouts.by_signature.pop(other, None)
+    engine.probe_stats["signatures"] = len(st.seen)
 
 
 def _fallback(engine: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], B: int,

@@ -164,3 +164,4 @@ def test_verify_structure_checks_a_second_batch_size():
     assert verify_structure(Rolled("folded-linear", 0).to(D), x)["signatures"] == 1
     with pytest.raises(StructureError, match="verified at batch size \\[6\\] and fails at batch size 5"):
         verify_structure(Rolled("folded-linear", 24).to(D), x)
+

@@ -217,3 +217,42 @@ def test_verify_structure_passes_only_what_an_unprobed_engine_computes():
     except StructureError:
         return
     _steps(model, [_batches([4], seed=3)], verify_structure=False)
+
+
+# --------------------------------------------------------------------------- 4. owners changed by a fallback
+
+
+class _MaskedBlock(nn.Module):
+    """A repeated position table rolled by 4 rows, then a shared ``(T, T)`` mask mixing positions (its leading size
+    is the batch size at ``B == T``: only a learned layout tells a replay that it is shared)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.lin = nn.Linear(2, 3), nn.Linear(3, 3)
+
+    def forward(self, x, mask):
+        t = torch.arange(x.shape[1], dtype=x.dtype) / x.shape[1]
+        grid = torch.stack([torch.sin(t), torch.cos(t)], -1).unsqueeze(0)
+        pos = self.proj(grid).repeat(x.shape[0], 1, 1).roll(4, 0)
+        return self.lin(mask @ torch.tanh(x + pos))
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = _MaskedBlock(), nn.Linear(3, 2)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)) / torch.arange(1, 5)[:, None])
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(x, self.mask.to(x.dtype)))).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-ghost"])
+@pytest.mark.parametrize("sizes", [[2, 4, 5, 4], [4, 5, 4]], ids=["2,4,5,4", "4,5,4"])
+def test_a_fallback_reprobes_the_other_signatures(mode, sizes):
+    """One step per batch, T 4: batch size 4 (== T) is a signature of its own, verified with the table on its layer
+    kind; the first signature's probe at 5 falls back to an ancestor's replay (new owners). The next call at 4 must
+    be probed again for them: before, it kept what it had verified for the old owners, the replay took the shared
+    mask as per sample, and the step failed ("could not be replayed", "does not reproduce output 0")."""
+    torch.manual_seed(0)
+    _steps(_Masked().to(D), [[b] for b in _batches(sizes)], mode=mode)
