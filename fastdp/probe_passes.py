@@ -162,8 +162,21 @@ def _grads(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor 
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
-    d = float((a.double() - b.double()).norm())
-    return 0.0 if d == 0 else d / max(scale, 1e-300)
+    """``||a - b|| / scale``; where either is not finite, ``inf`` unless both are non-finite at the same entries
+    (then over the others). A NaN error compared as no mismatch: a reference gradient that was NaN where the
+    engine's row was finite (rows of another sample mixed in) let a model pass (a red-team pass, 2026-11-28)."""
+    diff = a.double() - b.double()
+    finite = diff.isfinite()
+    if not bool(finite.all()):
+        if not (torch.equal(a.isfinite(), b.isfinite()) and torch.equal(a.isnan(), b.isnan())
+                and torch.equal(a[~a.isfinite()], b[~b.isfinite()]) if a.shape == b.shape else False):
+            return math.inf
+        diff = diff[finite]
+    d = float(diff.norm())
+    if d == 0:
+        return 0.0
+    r = d / max(scale, 1e-300) if math.isfinite(scale) else math.inf
+    return r if math.isfinite(r) else math.inf
 
 
 def _out_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -197,11 +210,15 @@ class _Inert:
 def _restore_buffers(buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
     """Put every buffer back as it was before the probe (same tensor object, same values), so that each probe pass
     starts from the state the real forward will see (a stateful forward, e.g. spectral_norm's power iteration in
-    train mode, would otherwise give the passes different weights)."""
+    train mode, would otherwise give the passes different weights). A buffer whose values did not change is not
+    written: a copy would bump its version counter, and the backward pass of a forward call made before the probe
+    (``la = loss(model(x)); lb = loss(model(x2)); la.backward()``, the probe running in the second call) would
+    refuse a saved buffer "modified by an inplace operation" (a red-team pass, 2026-11-28)."""
     with torch.no_grad():
         for m, n, b, saved in buffers:
             m._buffers[n] = b
-            b.copy_(saved)
+            if not torch.equal(b, saved):
+                b.copy_(saved)
 
 
 def _engine_failed(e: BaseException) -> Finding:
