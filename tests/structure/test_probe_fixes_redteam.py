@@ -11,35 +11,15 @@ import copy
 
 import pytest
 import torch
-from oracle import (
-    assert_grads_close,
-    clipped_sum,
-    make_engine,
-    make_groups,
-    oracle_model,
-    per_sample_grads,
-    trainable_names,
-    user_loss,
-)
+from model_oracle import mse_loss
+from oracle import assert_grads_close, make_engine, user_loss
+from test_probe_batch_sizes_redteam import _oracle
 from torch import nn
 
 from fastdp.probe import StructureError
 
 D = torch.float64
 T, DM = 4, 5
-
-
-def _mse(out, y):
-    return 0.5 * (out - y).pow(2).flatten(1).sum(1)
-
-
-def _oracle(template, batches, R, N, good=None):
-    om = oracle_model(template)
-    names = trainable_names(om)
-    psg = per_sample_grads(om, _mse, batches, names)
-    if good is not None:
-        psg = {n: v[good] for n, v in psg.items()}
-    return clipped_sum(psg, make_groups(om, "all-layer", names), "abadi", R, N)
 
 
 class _FoldRollSqrt(nn.Module):
@@ -79,7 +59,7 @@ def test_a_nonfinite_reference_does_not_verify_a_mixing_model(mode):
     engine.attach(opt)
     for (xx, mm, yy), want in zip([(x, m, y), (x2, m2, y2)], wants, strict=True):
         try:
-            user_loss(_mse(model(xx, mm), yy), "mean").backward()
+            user_loss(mse_loss(model(xx, mm), yy), "mean").backward()
         except StructureError:
             opt.zero_grad()
             continue
@@ -118,12 +98,12 @@ def test_a_second_size_probe_between_a_forward_and_its_backward_keeps_saved_buff
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     engine.attach(opt)
     (x0, y0) = batches[0]
-    user_loss(_mse(model(x0), y0), "mean").backward()  # an ordinary step at batch size 8: verified at one size
+    user_loss(mse_loss(model(x0), y0), "mean").backward()  # an ordinary step at batch size 8: verified at one size
     opt.step()
     opt.zero_grad()
     (xa, ya), (xb, yb) = batches[1:]
-    la = user_loss(_mse(model(xa), ya), "mean")
-    lb = user_loss(_mse(model(xb), yb), "mean")  # the second size's probe runs here
+    la = user_loss(mse_loss(model(xa), ya), "mean")
+    lb = user_loss(mse_loss(model(xb), yb), "mean")  # the second size's probe runs here
     la.backward()
     lb.backward()
     opt.step()
