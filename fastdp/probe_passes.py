@@ -168,8 +168,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
     diff = a.double() - b.double()
     finite = diff.isfinite()
     if not bool(finite.all()):
-        if not (torch.equal(a.isfinite(), b.isfinite()) and torch.equal(a.isnan(), b.isnan())
-                and torch.equal(a[~a.isfinite()], b[~b.isfinite()]) if a.shape == b.shape else False):
+        if a.shape != b.shape or not all(torch.equal(f(a), f(b)) for f in (torch.isnan, torch.isposinf,
+                                                                               torch.isneginf)):
             return math.inf
         diff = diff[finite]
     d = float(diff.norm())
