@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdp.clipped_sums import ClipConfig, clipped_sums
+from fastdp.clipped_sums import ClipConfig, NonFiniteGradientError, clipped_sums
 from fastdp.layers import generic, layout
 from fastdp.layers.base import autocast_state, clipping_precision
 from fastdp.layers.generic import GENERIC
@@ -428,7 +428,14 @@ def _engine_sums(engine: Any, records: list[Any], params: list[nn.Parameter], in
             cfg = ClipConfig(mode=engine.clip_config.mode, clip_fn=lambda n, R: w.to(device=n.device, dtype=n.dtype),
                              thresholds=[1.0], group_of=dict.fromkeys(params, 0), mean_reduction=False,
                              on_nonfinite=on_nonfinite)
-            res = clipped_sums(records, engine.plan.param_of, cfg).sums if records else {}
+            got = clipped_sums(records, engine.plan.param_of, cfg) if records else None
+            bad = got.nonfinite_mask if got is not None else None
+            if bad is not None and bool(bad.any()):  # deferred on an accelerator: read here (the probe reads anyway)
+                idx = bad.nonzero().flatten().tolist()
+                err = NonFiniteGradientError(f"the per-sample gradients of samples {idx[:10]} are not finite")
+                err.fastdp_samples = tuple(idx)  # as the CPU path raises it: the probe then probes the others
+                raise err
+            res = got.sums if got is not None else {}
         total = [res.get(p) for p in params]
     finally:
         engine._capture.inert_depth -= 1
