@@ -20,8 +20,6 @@ import pytest
 import torch
 from torch import nn
 
-import fastdp
-
 
 class _Broadcast(nn.Module):
     def __init__(self):
@@ -33,10 +31,16 @@ class _Broadcast(nn.Module):
         return self.o(torch.tanh(self.x(x) + pos))
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["host", "deferred"])
 @pytest.mark.parametrize("bad", [0, 1, 2])  # 0 and 2 are the probe's own samples
-def test_a_nonfinite_first_batch_under_the_zero_policy_is_probed_on_the_other_samples(bad):
+def test_a_nonfinite_first_batch_under_the_zero_policy_is_probed_on_the_other_samples(bad, deferred, monkeypatch):
+    """``deferred``: the non-finite check waits for the release, as on an accelerator (``fastdp.deferred.DEFER_ON``):
+    the probe reads its engine pass's mask itself."""
     from oracle import assert_grads_close, oracle_release
 
+    import fastdp.deferred
+
+    monkeypatch.setattr(fastdp.deferred, "DEFER_ON", {"cpu": deferred, "default": deferred})
     torch.manual_seed(0)
     model = _Broadcast().double()
     x, y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 4, 3, dtype=torch.float64)
