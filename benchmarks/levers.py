@@ -96,6 +96,11 @@ Levers:
   LM head's output gradients) summed in chunks of columns, its rounding bound charged with the chunk width
   (``gram_width``), so the cancellation guard no longer flags what that bound's looseness flagged (GPT-2's tied head
   at T 256); before: one product over the whole width. The exact path's cost on flagged samples goes with it.
+* ``guard-ops``: the cancellation guard's small operations per ghost-norm parameter: on the CPU ``exact_flagged``
+  reads "is any sample flagged?" first and, when none is, returns the computed norm with the contraction's raise
+  only; ``symmetric_parts`` takes each Gram's rounding term from the sum of its diagonal's squares; before: the
+  guarded norm, its raise and the flags formed every time, and the rounding terms from norms of the positions'
+  norms (the same values either way; a CPU-time lever).
 
 ``python benchmarks/levers.py --gram-ops`` times the ghost norm's Gram products with 1 (whole), 2, 4, 8 and 16 strips on
 a few layer shapes (``fastdp.layers._grams.GRAM_STRIP`` is chosen from it); ``--gram-ops --odd-t`` times them at a
@@ -287,6 +292,40 @@ def _gram_chunks_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.layers._grams, "GRAM_CHUNK", {})])
 
 
+def _symmetric_parts_before(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int) -> tuple:
+    # each Gram's rounding term by gram_rounding from the positions' norms (two norms of norms per Gram)
+    r = fastdp.layers._rounding
+    nk, nl = r.diagonal_norms(K, width_k), r.diagonal_norms(L, width_l)
+    err = torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
+    red = r.reduction_width(K.dtype, math.prod(K.shape[1:]))
+    if width_k:
+        err = err + r.gram_rounding(r.frobenius(L), nk, nk, width_k + red)
+        red = 0
+    if width_l:
+        err = err + r.gram_rounding(r.frobenius(K), nl, nl, width_l + red)
+    return fastdp.layers._factored.gram_inner(K, L), err, r.triangle_bound_sq(nk, nl)
+
+
+def _exact_flagged_before(sq, err, bound_sq, factors_of, shape, positions):
+    # the guarded and raised norms and the flags formed first, whether or not a sample is flagged
+    r = fastdp.layers._rounding
+    guarded = r.guarded_sq(sq, err, bound_sq)
+    raised = r.with_contraction(guarded, bound_sq, positions)
+    flagged = ((sq < r.CANCELLATION_GUARD * err) & (guarded > (1.0 + r.EXACT_WORTH) ** 2 * sq.clamp(min=0))
+               & err.isfinite() & bound_sq.isfinite())
+    if sq.numel() == 0 or not bool(flagged.any()):
+        return raised, None
+    return _exact_flagged_now(sq, err, bound_sq, factors_of, shape, positions)
+
+
+_exact_flagged_now = fastdp.layers._rounding.exact_flagged
+
+
+def _guard_ops_before() -> contextlib.AbstractContextManager:
+    return _patched([(fastdp.layers._rounding, "symmetric_parts", _symmetric_parts_before),
+                     (fastdp.layers._rounding, "exact_flagged", _exact_flagged_before)])
+
+
 def _bn_layout_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.torch_api, "DENSE_LAYOUT_DEVICES", frozenset())])
 
@@ -315,6 +354,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "bn-layout": _bn_layout_before,
     "exact-worth": _exact_worth_before,
     "gram-chunks": _gram_chunks_before,
+    "guard-ops": _guard_ops_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))
