@@ -556,8 +556,8 @@ class _TableNet(nn.Module):
 @pytest.mark.parametrize("mode", CLIPPING_MODES)
 def test_layers_over_a_table_without_batch_dimension_exact_via_fallback(mode, sizes, cls_token):
     """Layers whose input is a table without batch dimension (3 rows): at ``B = 3`` the rows look like the batch's
-    (the probe sees them unchanged on a batch of one: ``probe._no_batch_dim``), at ``B = 2`` they are neither the
-    batch nor a multiple of it, at ``B = 4`` fewer. Each used to be refused; the probe now hands the MLP's
+    (the probe sees them unchanged on a batch of one: ``probe_verdicts._no_batch_dim``), at ``B = 2`` they are neither
+    the batch nor a multiple of it, at ``B = 4`` fewer. Each used to be refused; the probe now hands the MLP's
     parameters to the nearest ancestor whose own call reads them (the block: ``get_bias()`` is not a call of the
     table module, so the table itself is passed over), replayed per sample. Exact against the oracle."""
     torch.manual_seed(50 + sizes[0])

@@ -5,7 +5,8 @@ Found by a red-team pass on 2026-11-26 (present since before that session): on t
 is broadcast over the batch (a position embedding of shape ``(1, T, d)``), the probe's engine pass refused the
 sample (``NonFiniteGradientError``) and the probe reported that as a structure mismatch (a misleading
 ``StructureError``; nothing was released). A non-finite sample under a policy that zeroes it says nothing about
-the model's structure: the probe was then postponed to the signature's next call (``fastdp.probe._nonfinite_data``).
+the model's structure: the probe was then postponed to the signature's next call
+(``fastdp.probe_verdicts._nonfinite_data``).
 Since 2026-11-28 (a red-team pass found a postponed call released unverified, and wrong, for rows rolled by a
 constant at a signature's second batch size) the probe runs again on the other samples, with the engine's policy
 (the non-finite samples' rows zeroed), and verifies the batch size there; the step is released as the policy says
