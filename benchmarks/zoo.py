@@ -27,7 +27,9 @@ A *method* is how one training step is taken:
   parameters stay float32), and ``fastdp BK-MixOpt, bf16 autocast, bf16 products`` (the same with the clipping
   stage's products of bf16 calls in bf16 with float32 accumulation: ``fastdp.layers._matmul.BF16_PRODUCTS``), and
   ``fastdp BK-MixOpt, noise buckets`` and ``fastdp BK-MixOpt, noise per parameter`` (one step's noise drawn in buckets
-  of parameters on the CPU too, or per parameter on CUDA too: ``fastdp.noise.NOISE_BUCKETS``, CUDA's default).
+  of parameters on the CPU too, or per parameter on CUDA too: ``fastdp.noise.NOISE_BUCKETS``, CUDA's default), and
+  ``fastdp BK-MixOpt, Gram chunks 1024`` / ``4096`` (Gram rows wider than that summed in chunks of columns on every
+  device: ``fastdp.layers._grams.GRAM_CHUNK``, the CPU's default at 1024, not set on CUDA).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -86,6 +88,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, bf16 autocast, bf16 products": ({}, {}),
     f"{DEFAULT_METHOD}, noise buckets": ({}, {}),
     f"{DEFAULT_METHOD}, noise per parameter": ({}, {}),
+    f"{DEFAULT_METHOD}, Gram chunks 1024": ({}, {}),
+    f"{DEFAULT_METHOD}, Gram chunks 4096": ({}, {}),
 }
 #: methods whose forward pass and loss run under ``torch.autocast`` in this dtype (mixed precision)
 AUTOCAST: dict[str, torch.dtype] = {
@@ -107,6 +111,9 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     # one step's noise in buckets of parameters, one draw and one fused add each (off by default)
     f"{DEFAULT_METHOD}, noise buckets": [("fastdp.noise", "NOISE_BUCKETS", frozenset({"cpu", "cuda"}))],
     f"{DEFAULT_METHOD}, noise per parameter": [("fastdp.noise", "NOISE_BUCKETS", frozenset())],
+    # wide Gram rows summed in chunks of columns on every device (the CPU's 1024 is its default; CUDA has none)
+    f"{DEFAULT_METHOD}, Gram chunks 1024": [("fastdp.layers._grams", "GRAM_CHUNK", {"cpu": 1024, "cuda": 1024})],
+    f"{DEFAULT_METHOD}, Gram chunks 4096": [("fastdp.layers._grams", "GRAM_CHUNK", {"cpu": 4096, "cuda": 4096})],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS, "non-private, bf16 autocast")
