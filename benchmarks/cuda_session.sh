@@ -8,7 +8,8 @@
 set -u
 OUTDIR=${1:?usage: cuda_session.sh OUTDIR [SECONDS]}
 BUDGET=${2:-540}
-PLAN=${3:-full}  # short: the synchronisation and non-finite tests, GPT-2 T512 and RoBERTa T256, default mode only
+PLAN=${3:-full}  # short: the synchronisation and non-finite tests, GPT-2 T512 and RoBERTa T256, default mode only;
+# guard-batch: the tests, then the A/B of the batched guard below
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 start=$(date +%s)
@@ -29,6 +30,18 @@ if [[ $PLAN == short ]]; then
   stage tests 60 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 60 tests/cuda -k "synchronise or nonfinite or can_fail"
 else
   stage tests 120 python3 -m pytest -q -p no:cacheprovider -rfE --timeout 120 tests/cuda
+fi
+if [[ $PLAN == guard-batch ]]; then
+  # (2026-11-28, third H200 run's follow-up) the ghost norms' guards batched (fastdp/layers/_guard_batch.py) against
+  # each parameter's on its own, on the three paper workloads, and bf16 products with their operands held in bfloat16
+  R=(python3 benchmarks/run.py --preset paper --results-dir "$OUTDIR" --in-process --no-max-batch)
+  A=(non-private "fastdp BK-MixOpt" "fastdp BK-MixOpt, guard per parameter")
+  stage roberta-T256 100 "${R[@]}" --models roberta --sizes 256 --batch 32 --methods "${A[@]}" \
+    "non-private, bf16 autocast" "fastdp BK-MixOpt, bf16 autocast, bf16 products"
+  stage vit-img224 70 "${R[@]}" --update --models vit --sizes 224 --batch 32 --methods "${A[@]}"
+  stage gpt2-T512 80 "${R[@]}" --update --models gpt2 --sizes 512 --batch 16 --methods "${A[@]}"
+  cat "$OUTDIR/stages.txt"
+  exit 0
 fi
 # how many samples the cancellation guard flags at GPT-2-small T 512 (its vocabulary-wide head) with the wide Grams
 # summed whole (CUDA's default) or in chunks of 1024 / 4096 columns (fastdp.layers._grams.GRAM_CHUNK), and by how much

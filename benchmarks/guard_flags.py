@@ -32,7 +32,7 @@ import torch
 import zoo
 from results_file import write_rows
 
-from fastdp.layers import _grams, _rounding
+from fastdp.layers import _grams, _guard_batch, _rounding
 
 
 def measure(w: zoo.Workload, device: torch.device, chunk: int) -> dict:
@@ -51,7 +51,9 @@ def measure(w: zoo.Workload, device: torch.device, chunk: int) -> dict:
         chunks[device.type] = chunk
     step = zoo.make_step(w, zoo.DEFAULT_METHOD, device)
     batch = zoo.make_batch(w, device)
-    with zoo.patched([(_grams, "GRAM_CHUNK", chunks), (_rounding, "exact_flagged", recording)]):
+    # (each parameter's guard on its own, so that every ghost norm passes through exact_flagged)
+    with zoo.patched([(_grams, "GRAM_CHUNK", chunks), (_rounding, "exact_flagged", recording),
+                      (_guard_batch, "BATCHED", False)]):
         step(batch)
         records.clear()
         step(batch)

@@ -101,6 +101,10 @@ Levers:
   only; ``symmetric_parts`` takes each Gram's rounding term from the sum of its diagonal's squares; before: the
   guarded norm, its raise and the flags formed every time, and the rounding terms from norms of the positions'
   norms (the same values either way; a CPU-time lever).
+* ``guard-batch``: the ghost norms' guards finished once per group of like parameters on their stack
+  (``fastdp.layers._guard_batch``: the element-wise rest of the rounding bound, the guarded norm and the contraction's
+  raise; on the CPU one host read per group); before: each parameter's guard on its own (``_guard_batch.BATCHED``
+  off). The levers above that patch the guard's functions run with it off, as they were built.
 
 ``python benchmarks/levers.py --gram-ops`` times the ghost norm's Gram products with 1 (whole), 2, 4, 8 and 16 strips on
 a few layer shapes (``fastdp.layers._grams.GRAM_STRIP`` is chosen from it); ``--gram-ops --odd-t`` times them at a
@@ -136,6 +140,7 @@ from kernel_ops import _consecutive_runs, conv_ops_ab, gram_ops_ab, noise_ab, no
 import fastdp.clipped_sums
 import fastdp.layers._factored
 import fastdp.layers._grams
+import fastdp.layers._guard_batch
 import fastdp.layers._matmul
 import fastdp.layers._rounding
 import fastdp.noise
@@ -272,14 +277,22 @@ def _cancellation_guard_before() -> contextlib.AbstractContextManager:
     zero = lambda fro, norms_t, norms_s, width: torch.zeros(fro.shape[0], dtype=fro.dtype,  # noqa: E731
                                                               device=fro.device)
     return _patched([(fastdp.layers._rounding, "gram_rounding", zero),
-                     (fastdp.layers._rounding, "guarded_sq", lambda sq, err, bound: sq)])
+                     (fastdp.layers._rounding, "guarded_sq", lambda sq, err, bound: sq), _PER_PARAMETER])
+
+
+#: the guard per parameter (before guard-batch), for the levers whose "before" patches its functions
+_PER_PARAMETER = (fastdp.layers._guard_batch, "BATCHED", False)
+
+
+def _guard_batch_before() -> contextlib.AbstractContextManager:
+    return _patched([_PER_PARAMETER])
 
 
 def _exact_path_before() -> contextlib.AbstractContextManager:
     # flagged samples keep the raised norm and stay in the contraction; no contraction raise, no host read
     return _patched([(fastdp.layers._rounding, "exact_flagged",
                       lambda sq, err, bound, factors_of, shape, positions: (
-                          fastdp.layers._rounding.guarded_sq(sq, err, bound), None))])
+                          fastdp.layers._rounding.guarded_sq(sq, err, bound), None)), _PER_PARAMETER])
 
 
 def _exact_worth_before() -> contextlib.AbstractContextManager:
@@ -323,7 +336,7 @@ _exact_flagged_now = fastdp.layers._rounding.exact_flagged
 
 def _guard_ops_before() -> contextlib.AbstractContextManager:
     return _patched([(fastdp.layers._rounding, "symmetric_parts", _symmetric_parts_before),
-                     (fastdp.layers._rounding, "exact_flagged", _exact_flagged_before)])
+                     (fastdp.layers._rounding, "exact_flagged", _exact_flagged_before), _PER_PARAMETER])
 
 
 def _bn_layout_before() -> contextlib.AbstractContextManager:
@@ -355,6 +368,7 @@ LEVERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "exact-worth": _exact_worth_before,
     "gram-chunks": _gram_chunks_before,
     "guard-ops": _guard_ops_before,
+    "guard-batch": _guard_batch_before,
 }
 
 DEFAULT_WORKLOADS = (("tinycls", 64), ("tinycls", 128), ("roberta", 64), ("roberta", 256), ("gpt2", 256), ("vit", 64))

@@ -29,7 +29,9 @@ A *method* is how one training step is taken:
   ``fastdp BK-MixOpt, noise buckets`` and ``fastdp BK-MixOpt, noise per parameter`` (one step's noise drawn in buckets
   of parameters on the CPU too, or per parameter on CUDA too: ``fastdp.noise.NOISE_BUCKETS``, CUDA's default), and
   ``fastdp BK-MixOpt, Gram chunks 1024`` / ``4096`` (Gram rows wider than that summed in chunks of columns on every
-  device: ``fastdp.layers._grams.GRAM_CHUNK``, the CPU's default at 1024, not set on CUDA).
+  device: ``fastdp.layers._grams.GRAM_CHUNK``, the CPU's default at 1024, not set on CUDA), and ``fastdp BK-MixOpt,
+  guard per parameter`` (each ghost norm's cancellation guard on its own: ``fastdp.layers._guard_batch.BATCHED``
+  off).
 
 Every method uses SGD (no momentum), per-sample clipping to norm 1 and noise multiplier 1 where private, and the
 same loss: cross-entropy, mean over the batch (classification) or over all B·T tokens (language modelling).
@@ -90,6 +92,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     f"{DEFAULT_METHOD}, noise per parameter": ({}, {}),
     f"{DEFAULT_METHOD}, Gram chunks 1024": ({}, {}),
     f"{DEFAULT_METHOD}, Gram chunks 4096": ({}, {}),
+    f"{DEFAULT_METHOD}, guard per parameter": ({}, {}),
 }
 #: methods whose forward pass and loss run under ``torch.autocast`` in this dtype (mixed precision)
 AUTOCAST: dict[str, torch.dtype] = {
@@ -114,6 +117,8 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     # wide Gram rows summed in chunks of columns on every device (the CPU's 1024 is its default; CUDA has none)
     f"{DEFAULT_METHOD}, Gram chunks 1024": [("fastdp.layers._grams", "GRAM_CHUNK", {"cpu": 1024, "cuda": 1024})],
     f"{DEFAULT_METHOD}, Gram chunks 4096": [("fastdp.layers._grams", "GRAM_CHUNK", {"cpu": 4096, "cuda": 4096})],
+    # each ghost norm's guard on its own (before fastdp/layers/_guard_batch.py): about 40 small operations each
+    f"{DEFAULT_METHOD}, guard per parameter": [("fastdp.layers._guard_batch", "BATCHED", False)],
 }
 METHODS = ("non-private", "non-private BiTFiT", *(f"fastdp {m}" for m in FASTDP_MODES), "DP-BiTFiT",
            "Opacus hooks", "Opacus ghost", *VARIANTS, "non-private, bf16 autocast")

@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from fastdp.clipping import ClipFn
 from fastdp.deferred import DeferredCheck, defers
-from fastdp.layers import _rounding
+from fastdp.layers import _guard_batch
 from fastdp.layers._grams import shared_input_grams
 from fastdp.layers._matmul import reused_scratch, shared_rounding
 from fastdp.layers._rounding import Exact
@@ -226,6 +226,7 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
     kept: dict[nn.Parameter, torch.Tensor] = {}  # instantiated per-sample gradients kept for step 3
     how: dict[int, str] = {}
     exact: dict[nn.Parameter, Exact] = {}
+    ghost: list[tuple] = []  # (param, its ghost norm's parts or reductions, factors_of, shape, positions)
     for param, plist in uses.items():
         shape = tuple(param.shape)
         if len(plist) > 1:  # shared parameter: norm of the per-sample sum over uses
@@ -245,12 +246,10 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
         kind, module = rec.kind, rec.module
         if rec.psg is None and use_ghost(kind, module, rec.ctx, name, mode, rec.readers[0]):
             ctx = rec.ctx
-            sq_of[param], ex = _rounding.exact_flagged(
-                *kind.ghost_norm_parts(module, ctx, name),
-                lambda index, kind=kind, module=module, ctx=ctx, name=name: kind.sample_factors(
-                    module, ctx, name, index), shape, kind.contraction_positions(module, ctx, name))
-            if ex is not None:
-                exact[param] = ex
+            sq_of[param] = None  # (finished with the other ghost norms below; the order of sq_of kept)
+            ghost.append((param, kind.ghost_norm_pieces(module, ctx, name),
+                          lambda index, kind=kind, module=module, ctx=ctx, name=name: kind.sample_factors(
+                              module, ctx, name, index), shape, kind.contraction_positions(module, ctx, name)))
             how[id(param)] = "ghost"
         else:
             how[id(param)] = "instantiated" if kind.replayable else "generic"
@@ -260,6 +259,14 @@ def _norms(uses: dict[nn.Parameter, list[tuple[Record, str]]], mode: ClippingMod
                 kept[param] = psg
             else:  # the sum will contract the operands: guarded as a ghost norm is (range, cancellation)
                 sq_of[param] = kind.guard_contracted(module, rec.ctx, name, sq_of[param])
+    # the ghost norms' element-wise rest and guard, once per group of like parameters (fastdp/layers/_guard_batch.py)
+    parts = _guard_batch.finish_all([g[1] for g in ghost])
+    guarded = _guard_batch.exact_flagged_all([(*p, f, shape, positions)
+                                              for p, (_, _, f, shape, positions) in zip(parts, ghost, strict=True)])
+    for (param, *_), (sq, ex) in zip(ghost, guarded, strict=True):
+        sq_of[param] = sq
+        if ex is not None:
+            exact[param] = ex
     return sq_of, kept, how, exact
 
 

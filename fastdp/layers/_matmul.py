@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fastdp.layers import _grams, _products, _rounding
+from fastdp.layers import _grams, _guard_batch, _products, _rounding
 from fastdp.layers._factored import Factors
 from fastdp.layers.base import LayerKind, to_accumulation
 
@@ -121,6 +121,14 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
     may come from (and go to) the cache of :func:`fastdp.layers._grams.shared_input_grams` (only for an ``A`` that
     stays alive for the whole pass: the cache is keyed by its storage). ``narrow``: the Gram products in bfloat16
     with float32 accumulation (:func:`fastdp.layers._products.product`)."""
+    parts = ghost_norm_pieces(A, G, share, narrow)
+    return _rounding.symmetric_finish(parts) if isinstance(parts, _rounding.SymmetricReductions) else parts
+
+
+def ghost_norm_pieces(A: torch.Tensor, G: torch.Tensor, share: bool = True, narrow: torch.dtype | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | _rounding.SymmetricReductions:
+    """:func:`ghost_norm_parts`, left as the Grams' reductions where they are whole Grams (their element-wise rest
+    done with other parameters', :mod:`fastdp.layers._guard_batch`)."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2, a product of two sums of squares (nothing cancels)
         A, G = to_accumulation(A), to_accumulation(G)
         # each sum raised by what its squares can lose below the normal range (half the smallest subnormal each):
@@ -133,7 +141,9 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
     ggt = _grams.gram_strips(G, narrow)
     d, p = _grams.gram_width(A), _grams.gram_width(G)  # each Gram's entries' rounding, as gram_strips summed them
     if len(aat) == 1:
-        return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
+        if not _guard_batch.BATCHED:  # (benchmarks/levers.py's "before": the whole guard per parameter)
+            return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
+        return _rounding.symmetric_reductions(aat[0], ggt[0], d, p)
     na, ng = _grams.strips_diagonal_norms(aat, d), _grams.strips_diagonal_norms(ggt, p)
     red = _rounding.reduction_width(aat[0].dtype, A.shape[1] * A.shape[2] ** 2)  # the final sum's rounding
     err = (_rounding.gram_rounding(_grams.strips_frobenius(ggt), na, na, d + red)
@@ -273,6 +283,13 @@ class OuterProductKind(LayerKind):
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         A, G = ctx
         return ghost_norm_parts(A, G, narrow=narrow_of(ctx))
+
+    def ghost_norm_pieces(self, module: nn.Module, ctx: Any, name: str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | _rounding.SymmetricReductions:
+        if type(self).ghost_norm_parts is not OuterProductKind.ghost_norm_parts:  # (a kind with its own: conv)
+            return self.ghost_norm_parts(module, ctx, name)
+        A, G = ctx
+        return ghost_norm_pieces(A, G, narrow=narrow_of(ctx))
 
     def contraction_positions(self, module: nn.Module, ctx: Any, name: str) -> int:
         return ctx[1].shape[2]  # G (B, g, T, p)

@@ -257,21 +257,63 @@ def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int
 
     ``err`` is :func:`gram_rounding` of each Gram against the other, written for a Gram's own rows (``X = Y``, so
     ``||(||x_t||)_t||^2`` is the sum of the diagonal's upper bounds, :func:`diagonal_squares`): the same bound in
-    about two thirds of the small operations (a ghost norm's guard is a fixed cost per layer)."""
-    sk, sl = diagonal_squares(K, width_k), diagonal_squares(L, width_l)
+    about two thirds of the small operations (a ghost norm's guard is a fixed cost per layer). In two halves: the
+    reductions of the Grams' entries (:func:`symmetric_reductions`) and the element-wise rest
+    (:func:`symmetric_finish`), which :mod:`fastdp.layers._guard_batch` runs once for many parameters."""
+    return symmetric_finish(symmetric_reductions(K, L, width_k, width_l))
+
+
+@dataclass(frozen=True)
+class SymmetricReductions:
+    """What :func:`symmetric_parts` reads of two whole symmetric Grams ``K``, ``L`` ``(B, g, T, T)``: ``sq`` ``(B,)``
+    their inner product (:func:`fastdp.layers._factored.gram_inner`), ``diag_k``, ``diag_l`` ``(B, g, T)`` their
+    diagonals clamped at 0, ``fro_k``, ``fro_l`` ``(B, g)`` their Frobenius norms (``None`` where the other Gram is
+    exact: not needed), the entries' widths, and ``red`` (:func:`reduction_width` of the final sum). Tensors may have
+    leading dimensions before ``B`` (a stack of parameters', :mod:`fastdp.layers._guard_batch`)."""
+
+    sq: torch.Tensor
+    diag_k: torch.Tensor
+    diag_l: torch.Tensor
+    fro_k: torch.Tensor | None
+    fro_l: torch.Tensor | None
+    width_k: int
+    width_l: int
+    red: int
+
+    def key(self) -> tuple:
+        """Reductions with the same key are finished by the same operations with the same constants."""
+        return (self.sq.dtype, self.diag_k.dtype, self.sq.device, tuple(self.diag_k.shape), self.width_k,
+                self.width_l, self.red)
+
+
+def symmetric_reductions(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int) -> SymmetricReductions:
+    """The reductions of :func:`symmetric_parts` (one pass over each Gram's entries); nothing of ``K`` or ``L`` is
+    kept."""
+    return SymmetricReductions(
+        _factored.gram_inner(K, L), torch.diagonal(K, dim1=-2, dim2=-1).clamp(min=0),
+        torch.diagonal(L, dim1=-2, dim2=-1).clamp(min=0), frobenius(K) if width_l else None,
+        frobenius(L) if width_k else None, width_k, width_l, reduction_width(K.dtype, math.prod(K.shape[1:])))
+
+
+def symmetric_finish(r: SymmetricReductions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`symmetric_parts` from its reductions: element-wise on them and sums over their last dimensions only,
+    so a stack of several parameters' reductions gives the stack of their results."""
+    sk = upper_sq(r.diag_k, r.width_k) if r.width_k else r.diag_k  # (diagonal_squares)
+    sl = upper_sq(r.diag_l, r.width_l) if r.width_l else r.diag_l
     nk, nl = sk.sqrt(), sl.sqrt()
-    u, eta = roundoffs(K.dtype)
-    under = eta * K.shape[-1]  # eta sqrt(Tx Ty), Tx = Ty = T
-    red = reduction_width(K.dtype, math.prod(K.shape[1:]))  # the final sum's, charged to one Gram's term
+    u, eta = roundoffs(r.diag_k.dtype)
+    under = eta * r.diag_k.shape[-1]  # eta sqrt(Tx Ty), Tx = Ty = T
+    red = r.red  # the final sum's, charged to one Gram's term
     terms = None
-    if width_k:
-        terms = sk.sum(-1).mul_(u).add_(under).mul_(frobenius(L)).mul_(width_k + red)
+    if r.width_k:
+        terms = sk.sum(-1).mul_(u).add_(under).mul_(r.fro_l).mul_(r.width_k + red)
         red = 0
-    if width_l:
-        t = sl.sum(-1).mul_(u).add_(under).mul_(frobenius(K)).mul_(width_l + red)
+    if r.width_l:
+        t = sl.sum(-1).mul_(u).add_(under).mul_(r.fro_k).mul_(r.width_l + red)
         terms = t if terms is None else terms.add_(t)
-    err = terms.sum(-1) if terms is not None else torch.zeros(K.shape[0], dtype=K.dtype, device=K.device)
-    return _factored.gram_inner(K, L), err, triangle_bound_sq(nk, nl)
+    err = terms.sum(-1) if terms is not None else torch.zeros(r.sq.shape, dtype=r.diag_k.dtype,
+                                                                 device=r.diag_k.device)
+    return r.sq, err, triangle_bound_sq(nk, nl)
 
 
 def guarded_instantiated_sq(sq: torch.Tensor, bound_sq: torch.Tensor) -> torch.Tensor:

@@ -204,6 +204,12 @@ class LayerKind:
         ||r_t||`` of ``||g_i||``. Kinds with :meth:`ghost_names` implement it."""
         raise NotImplementedError
 
+    def ghost_norm_pieces(self, module: nn.Module, ctx: Any, name: str) -> Any:
+        """:meth:`ghost_norm_parts`, or, where the kind has them, the reductions its element-wise rest needs
+        (:class:`fastdp.layers._rounding.SymmetricReductions`), which the clipping stage finishes together with
+        other parameters' (:mod:`fastdp.layers._guard_batch`). This default: :meth:`ghost_norm_parts`."""
+        return self.ghost_norm_parts(module, ctx, name)
+
     def factors(self, module: nn.Module, ctx: Any, name: str) -> Factors | None:
         """``g_i`` as a sum of outer products (:class:`fastdp.layers._factored.Factors`), or ``None``.
 

@@ -352,7 +352,7 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                 fastdp.layers._rounding.gram_rounding, fastdp.layers._rounding.guarded_sq,
                 fastdp.layers._rounding.exact_flagged, fastdp.torch_api.DENSE_LAYOUT_DEVICES,
                 fastdp.layers._rounding.EXACT_WORTH, dict(fastdp.layers._grams.GRAM_CHUNK),
-                fastdp.layers._rounding.symmetric_parts)
+                fastdp.layers._rounding.symmetric_parts, fastdp.layers._guard_batch.BATCHED)
 
     before = current()
     levers.main(["--quick", "--models", "tinycls", "cnn", "--json", str(tmp_path / "l.json")])
@@ -366,7 +366,8 @@ def test_levers_ab_runs_and_restores_the_current_code(capsys, tmp_path):
                          "conv-kept-rule before", "noise-in-place before", "gram-strips before",
                          "conv-per-sample-measure before", "ln-weighted-kernel before", "gn-folded before",
                          "balanced-noise-runs before", "cancellation-guard before", "exact-path before",
-                         "bn-layout before", "exact-worth before", "gram-chunks before", "guard-ops before"}
+                         "bn-layout before", "exact-worth before", "gram-chunks before", "guard-ops before",
+                         "guard-batch before"}
     assert out.count("| cnn-tiny-img16-B2 |") == 1  # a convolutional workload: the conv-kernels lever patches it
     assert current() == before
 
