@@ -29,7 +29,7 @@ A *method* is how one training step is taken:
   ``fastdp BK-MixOpt, noise buckets`` and ``fastdp BK-MixOpt, noise per parameter`` (one step's noise drawn in buckets
   of parameters on the CPU too, or per parameter on CUDA too: ``fastdp.noise.NOISE_BUCKETS``, CUDA's default), and
   ``fastdp BK-MixOpt, Gram chunks 1024`` / ``4096`` (Gram rows wider than that summed in chunks of columns on every
-  device: ``fastdp.layers._grams.GRAM_CHUNK``, the CPU's default at 1024, not set on CUDA), and ``fastdp BK-MixOpt,
+  device: ``fastdp.layers._grams.GRAM_CHUNK``, the CPU's default at 1024, CUDA's at 4096), and ``fastdp BK-MixOpt,
   guard per parameter`` (each ghost norm's cancellation guard on its own: ``fastdp.layers._guard_batch.BATCHED``
   off).
 
@@ -114,7 +114,7 @@ MODULE_SWITCHES: dict[str, list[tuple[str, str, object]]] = {
     # one step's noise in buckets of parameters, one draw and one fused add each (off by default)
     f"{DEFAULT_METHOD}, noise buckets": [("fastdp.noise", "NOISE_BUCKETS", frozenset({"cpu", "cuda"}))],
     f"{DEFAULT_METHOD}, noise per parameter": [("fastdp.noise", "NOISE_BUCKETS", frozenset())],
-    # wide Gram rows summed in chunks of columns on every device (the CPU's 1024 is its default; CUDA has none)
+    # wide Gram rows summed in chunks of columns on every device (the CPU's default is 1024, CUDA's 4096)
     f"{DEFAULT_METHOD}, Gram chunks 1024": [("fastdp.layers._grams", "GRAM_CHUNK", {"cpu": 1024, "cuda": 1024})],
     f"{DEFAULT_METHOD}, Gram chunks 4096": [("fastdp.layers._grams", "GRAM_CHUNK", {"cpu": 4096, "cuda": 4096})],
     # each ghost norm's guard on its own (before fastdp/layers/_guard_batch.py): about 40 small operations each

@@ -58,8 +58,12 @@ GRAM_ALIGN: dict[str, int] = {}
 #: charges that bound, so a ghost norm whose worst-case rounding was within ``1 / 64`` of it is no longer flagged:
 #: GPT-2's tied embedding and LM head (vocabulary 8000, T 256) flagged every sample at ``sq / err`` 53-64, its
 #: output Gram's width-8000 term 100 times its input Gram's (lever ``gram-chunks`` of benchmarks/levers.py).
-#: Not on other devices (not measured there: each chunk is one more product call).
-GRAM_CHUNK: dict[str, int] = {"cpu": 1024}
+#: On CUDA (where flagged samples keep the raised norm: over-clipped) chunks of 4096: on an H200 at GPT-2-small
+#: width, T 512, batch 16, whole products flagged every sample of the tied head (vocabulary 50257, ``sq / err`` from
+#: 1.8) and of most MLP projections, which raised the norm of a sample's ghost-norm parameters by 1.25 % (median;
+#: 1.49 % at most); chunks of 4096 cut that to 0.28 % (0.43 %) at 221.7 against 219.8 ms a step (one run of 5
+#: rounds), chunks of 1024 to 0.01 % at 230.0 ms (``benchmarks/guard_flags.py``, docs/results/cuda.md, 2026-11-28).
+GRAM_CHUNK: dict[str, int] = {"cpu": 1024, "cuda": 4096}
 
 
 def _chunking(X: torch.Tensor) -> tuple[int, int]:
