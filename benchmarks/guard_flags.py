@@ -11,11 +11,12 @@ charges the bound with the chunk's width instead (on the CPU: 1024; on CUDA: 409
 script's run on an H200).
 
 For each ``--chunks`` value (0: one product over the whole width), one workload, one warm-up step (the structure
-probe's) and one measured step of the default mode; every ghost-norm parameter's guard is recorded by wrapping
-``_rounding.exact_flagged``. Printed and saved per chunk setting: the ghost-norm parameters with a flagged sample
-(shape, flagged count, smallest ``sq / err``, largest raise of that parameter's norm ``sqrt(guarded / sq)``) and,
-per sample, the raise of the ghost-norm parameters' summed squared norm (an upper bound of the raise of the sample's
-whole norm, which also counts the instantiated parameters).
+probe's), ``--train-steps`` private steps (0: the flags at initialisation) and one measured step of the default
+mode; every ghost-norm parameter's guard is recorded by wrapping ``_rounding.exact_flagged``. Printed and saved
+per chunk setting: the ghost-norm parameters with a flagged sample (shape, flagged count, smallest ``sq / err``,
+largest raise of that parameter's norm ``sqrt(guarded / sq)``) and, per sample, the raise of the norm of its
+ghost-norm parameters together (an upper bound of the raise of the sample's whole norm, which also counts the
+instantiated parameters).
 
 Usage::
 
@@ -36,9 +37,10 @@ from results_file import write_rows
 from fastdp.layers import _grams, _guard_batch, _rounding
 
 
-def measure(w: zoo.Workload, device: torch.device, chunk: int) -> dict:
-    """One warm-up and one measured step of the default mode with ``GRAM_CHUNK[device.type] = chunk`` (0: unset);
-    the measured step's guard records summarised."""
+def measure(w: zoo.Workload, device: torch.device, chunk: int, train_steps: int = 0, lr: float = 1e-4) -> dict:
+    """One warm-up step (the structure probe's), ``train_steps`` private steps on other batches at learning rate
+    ``lr``, and one measured step of the default mode with ``GRAM_CHUNK[device.type] = chunk`` (0: unset); the
+    measured step's guard records summarised."""
     records: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original = _rounding.exact_flagged
 
@@ -50,12 +52,14 @@ def measure(w: zoo.Workload, device: torch.device, chunk: int) -> dict:
     chunks = {k: v for k, v in _grams.GRAM_CHUNK.items() if k != device.type}
     if chunk > 0:
         chunks[device.type] = chunk
-    step = zoo.make_step(w, zoo.DEFAULT_METHOD, device)
+    step = zoo.make_step(w, zoo.DEFAULT_METHOD, device, lr=lr)
     batch = zoo.make_batch(w, device)
     # (each parameter's guard on its own, so that every ghost norm passes through exact_flagged)
     with zoo.patched([(_grams, "GRAM_CHUNK", chunks), (_rounding, "exact_flagged", recording),
                       (_guard_batch, "BATCHED", False)]):
         step(batch)
+        for seed in range(train_steps):
+            step(zoo.make_batch(w, device, seed=100 + seed))
         records.clear()
         step(batch)
     if device.type == "cuda":
@@ -71,7 +75,8 @@ def measure(w: zoo.Workload, device: torch.device, chunk: int) -> dict:
             flagged_params.append({"shape": list(shape), "flagged": int(flagged.sum()), "samples": int(sq.numel()),
                                    "min_sq_over_err": float(ratio.min()), "max_norm_raise": float(raise_.max())})
     per_sample = (total_guarded / total_sq).sqrt() if records else torch.ones(1)
-    return {"workload": w.tag, "device": device.type, "gram_chunk": chunk, "ghost_parameters": len(records),
+    return {"workload": w.tag, "device": device.type, "gram_chunk": chunk, "train_steps": train_steps, "lr": lr,
+            "ghost_parameters": len(records),
             "flagged_parameters": flagged_params,
             "sample_raise_max": float(per_sample.max()), "sample_raise_median": float(per_sample.median())}
 
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--chunks", nargs="+", type=int, default=[0, 1024])
+    p.add_argument("--train-steps", type=int, default=0, help="private steps before the measured one")
+    p.add_argument("--lr", type=float, default=1e-4, help="their SGD learning rate")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -95,9 +102,10 @@ def main(argv: list[str] | None = None) -> None:
             batch = args.batch or zoo.default_batch(model, size, args.widths)
             w = zoo.Workload(model, size, batch, args.widths)
             for chunk in args.chunks:
-                row = measure(w, device, chunk)
+                row = measure(w, device, chunk, args.train_steps, args.lr)
                 rows.append(row)
-                print(f"{w.tag} chunk {chunk or 'none'}: {len(row['flagged_parameters'])} of "
+                print(f"{w.tag} chunk {chunk or 'none'}, after {args.train_steps} steps: "
+                      f"{len(row['flagged_parameters'])} of "
                       f"{row['ghost_parameters']} ghost-norm parameters flag a sample; sample norm raised by "
                       f"x{row['sample_raise_median']:.6f} (median) .. x{row['sample_raise_max']:.6f} (max)", flush=True)
                 for f in row["flagged_parameters"]:
