@@ -176,6 +176,14 @@ def strips_frobenius(P: list[torch.Tensor]) -> torch.Tensor:
     return total.sqrt()
 
 
+def strips_diagonal(P: list[torch.Tensor]) -> torch.Tensor:
+    """``(B, g, T)``: the diagonal of the Gram matrix that :func:`gram_strips` cut, clamped at 0 (each strip's leading
+    square block holds its part of it), as :func:`fastdp.layers._rounding.symmetric_reductions` reads a whole
+    Gram's."""
+    parts = [torch.diagonal(p[..., :p.shape[2]], dim1=-2, dim2=-1).clamp(min=0) for p in P]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
 def strips_diagonal_norms(P: list[torch.Tensor], width: int = 0) -> torch.Tensor:
     """``(B, g, T)``: the positions' norms, from the diagonal of the Gram matrix that :func:`gram_strips` cut (each
     strip's leading square block holds its part of it), each at least the true one for entries of ``width``

@@ -127,8 +127,8 @@ def ghost_norm_parts(A: torch.Tensor, G: torch.Tensor, share: bool = True, narro
 
 def ghost_norm_pieces(A: torch.Tensor, G: torch.Tensor, share: bool = True, narrow: torch.dtype | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | _rounding.SymmetricReductions:
-    """:func:`ghost_norm_parts`, left as the Grams' reductions where they are whole Grams (their element-wise rest
-    done with other parameters', :mod:`fastdp.layers._guard_batch`)."""
+    """:func:`ghost_norm_parts`, left as the Grams' reductions (whole or in strips; their element-wise rest done with
+    other parameters', :mod:`fastdp.layers._guard_batch`), except at one position."""
     if A.shape[2] == 1:  # one position: ||a||^2 ||g||^2, a product of two sums of squares (nothing cancels)
         A, G = to_accumulation(A), to_accumulation(G)
         # each sum raised by what its squares can lose below the normal range (half the smallest subnormal each):
@@ -144,8 +144,12 @@ def ghost_norm_pieces(A: torch.Tensor, G: torch.Tensor, share: bool = True, narr
         if not _guard_batch.BATCHED:  # (benchmarks/levers.py's "before": the whole guard per parameter)
             return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
         return _rounding.symmetric_reductions(aat[0], ggt[0], d, p)
-    na, ng = _grams.strips_diagonal_norms(aat, d), _grams.strips_diagonal_norms(ggt, p)
     red = _rounding.reduction_width(aat[0].dtype, A.shape[1] * A.shape[2] ** 2)  # the final sum's rounding
+    if _guard_batch.BATCHED:  # the same reductions as whole Grams give, read from the strips
+        return _rounding.SymmetricReductions(
+            _grams.strips_inner(aat, ggt), _grams.strips_diagonal(aat), _grams.strips_diagonal(ggt),
+            _grams.strips_frobenius(aat), _grams.strips_frobenius(ggt), d, p, red)
+    na, ng = _grams.strips_diagonal_norms(aat, d), _grams.strips_diagonal_norms(ggt, p)
     err = (_rounding.gram_rounding(_grams.strips_frobenius(ggt), na, na, d + red)
            + _rounding.gram_rounding(_grams.strips_frobenius(aat), ng, ng, p))
     return _grams.strips_inner(aat, ggt), err, _rounding.triangle_bound_sq(na, ng)

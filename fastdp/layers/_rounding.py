@@ -265,7 +265,8 @@ def symmetric_parts(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l: int
 
 @dataclass(frozen=True)
 class SymmetricReductions:
-    """What :func:`symmetric_parts` reads of two whole symmetric Grams ``K``, ``L`` ``(B, g, T, T)``: ``sq`` ``(B,)``
+    """What :func:`symmetric_parts` reads of two symmetric Grams ``K``, ``L`` ``(B, g, T, T)`` (whole, or in strips:
+    :func:`fastdp.layers._matmul.ghost_norm_pieces`): ``sq`` ``(B,)``
     their inner product (:func:`fastdp.layers._factored.gram_inner`), ``diag_k``, ``diag_l`` ``(B, g, T)`` their
     diagonals clamped at 0, ``fro_k``, ``fro_l`` ``(B, g)`` their Frobenius norms (``None`` where the other Gram is
     exact: not needed), the entries' widths, and ``red`` (:func:`reduction_width` of the final sum). Tensors may have

@@ -17,7 +17,7 @@ from oracle import make_engine, oracle_release
 from torch import nn
 
 from fastdp import deferred
-from fastdp.layers import _guard_batch, _matmul, _rounding
+from fastdp.layers import _grams, _guard_batch, _matmul, _rounding
 from fastdp.layers._factored import Factors
 
 
@@ -67,6 +67,19 @@ def test_finish_all_matches_symmetric_parts():
     got = _guard_batch.finish_all([_rounding.symmetric_reductions(K, L, 16, 24)] * 3)
     for g in got:
         assert all(torch.equal(x, y) for x, y in zip(g, want, strict=True))
+
+
+@pytest.mark.parametrize("strip", [(2, 4), (3, 2)])
+def test_strips_give_the_per_parameter_bounds(strip, monkeypatch):
+    # Grams in strips (the CPU at T >= 128): their reductions finished as whole Grams' give the strips' own formula
+    # (gram_rounding of the positions' norms) to rounding
+    monkeypatch.setattr(_grams, "GRAM_STRIP", {"cpu": strip, "default": (1, 1)})
+    A, G = _operands(3, 7, 16, 3), _operands(3, 7, 24, 4)
+    got = _matmul.ghost_norm_parts(A, G, share=False)
+    monkeypatch.setattr(_guard_batch, "BATCHED", False)
+    want = _matmul.ghost_norm_parts(A, G, share=False)
+    assert len(_grams.gram_strips(A)) > 1
+    assert all(_same(x, y) for x, y in zip(got, want, strict=True))
 
 
 def _item(A: torch.Tensor, G: torch.Tensor) -> _guard_batch.Guarded:
@@ -138,8 +151,11 @@ def _release(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, R: f
 @pytest.mark.parametrize("B", [0, 1, 3, 4])
 @pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-ghost", "BK-MixGhostClip"])
 @pytest.mark.parametrize("style", ["all-layer", "param-wise"])
-def test_grouped_guards_release_the_oracle(B, mode, style, checks, monkeypatch):
+@pytest.mark.parametrize("grams", ["whole", "strips"])
+def test_grouped_guards_release_the_oracle(B, mode, style, grams, checks, monkeypatch):
     # T 4 at width 8 (2 T^2 < p d): the q, k, v, o and fc weights take ghost norms, eight of one group; B 4 equals T
+    if grams == "strips":  # (Grams in two strips of two rows, as the CPU cuts them at T >= 128)
+        monkeypatch.setattr(_grams, "GRAM_STRIP", {"cpu": (2, 4), "default": (2, 4)})
     torch.manual_seed(B)
     model = Blocks().double()
     x = torch.randn(B, 4, 8, dtype=torch.float64)
