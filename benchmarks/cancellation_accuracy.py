@@ -27,7 +27,7 @@ from results_file import write_rows
 from torch import nn
 
 from fastdp import PrivacyEngine, deferred
-from fastdp.layers import _rounding
+from fastdp.layers import _guard_batch, _rounding
 
 CASES = ((128, 40.0), (256, 40.0), (512, 10.0), (512, 40.0))  # (T, offset)
 MODES = ("BK-ghost", "BK-MixOpt")
@@ -98,13 +98,14 @@ def measure(T: int, offset: float, refine: bool, width: int = 768) -> list[dict]
         per_sample_loss(model, tok).mean().backward()
         opt.step()
     flagged = [0]
-    original, defer_on = _rounding.exact_flagged, deferred.DEFER_ON
+    original, defer_on, batched = _rounding.exact_flagged, deferred.DEFER_ON, _guard_batch.BATCHED
 
     def counting(sq, err, bound_sq, factors_of, shape, positions):
         flagged[0] += int((sq < _rounding.CANCELLATION_GUARD * err).sum())
         return original(sq, err, bound_sq, factors_of, shape, positions)
 
     _rounding.exact_flagged = counting
+    _guard_batch.BATCHED = False  # (each parameter's guard on its own, so that every ghost norm passes through it)
     if not refine:  # as on CUDA, where the engine reads nothing on the host in the backward pass
         deferred.DEFER_ON = {"cpu": True, "default": True}
     rows = []
@@ -119,7 +120,7 @@ def measure(T: int, offset: float, refine: bool, width: int = 768) -> list[dict]
                              "style": style, "mode": mode, "flagged_sample_layers": flagged[0],
                              "worst_rel_err": worst[0], "worst_param": worst[1]})
     finally:
-        _rounding.exact_flagged, deferred.DEFER_ON = original, defer_on
+        _rounding.exact_flagged, deferred.DEFER_ON, _guard_batch.BATCHED = original, defer_on, batched
     return rows
 
 

@@ -5,7 +5,7 @@ Gram matrices per sample and group. This module forms them:
 
 * in strips (:func:`gram_strips`): the upper triangle only, a Gram matrix being symmetric; cut by device type
   (:data:`GRAM_STRIP`, :data:`GRAM_ALIGN`), with their inner product, Frobenius norm and diagonal read from the
-  strips (:func:`strips_inner`, :func:`strips_frobenius`, :func:`strips_diagonal_norms`);
+  strips (:func:`strips_inner`, :func:`strips_frobenius`, :func:`strips_diagonal`);
 * in chunks of columns where the rows are wide (:data:`GRAM_CHUNK`, :func:`gram_product`), so that each entry's
   rounding, which the cancellation guard charges (:func:`gram_width`, :mod:`fastdp.layers._rounding`), stays small;
 * once per input for the layers that read the same input tensor in one pass (:func:`shared_input_grams`,
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fastdp.layers import _factored, _products, _rounding
+from fastdp.layers import _factored, _products
 
 #: how :func:`gram_strips` cuts a ``T x T`` Gram matrix, by device type (others: ``"default"``): ``(h, K)``, strips of
 #: at least ``h`` rows and at most ``K`` of them. On a 2-core CPU (``python benchmarks/levers.py --gram-ops``,
@@ -181,14 +181,6 @@ def strips_diagonal(P: list[torch.Tensor]) -> torch.Tensor:
     square block holds its part of it), as :func:`fastdp.layers._rounding.symmetric_reductions` reads a whole
     Gram's."""
     parts = [torch.diagonal(p[..., :p.shape[2]], dim1=-2, dim2=-1).clamp(min=0) for p in P]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
-
-def strips_diagonal_norms(P: list[torch.Tensor], width: int = 0) -> torch.Tensor:
-    """``(B, g, T)``: the positions' norms, from the diagonal of the Gram matrix that :func:`gram_strips` cut (each
-    strip's leading square block holds its part of it), each at least the true one for entries of ``width``
-    products (:func:`fastdp.layers._rounding.diagonal_norms`)."""
-    parts = [_rounding.diagonal_norms(p[..., :p.shape[2]], width) for p in P]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 

@@ -144,15 +144,12 @@ def ghost_norm_pieces(A: torch.Tensor, G: torch.Tensor, share: bool = True, narr
         if not _guard_batch.BATCHED:  # (benchmarks/levers.py's "before": the whole guard per parameter)
             return _rounding.symmetric_parts(aat[0], ggt[0], d, p)
         return _rounding.symmetric_reductions(aat[0], ggt[0], d, p)
+    # the same reductions as whole Grams give, read from the strips (finished by the same formula, so that a sample's
+    # flag does not depend on how the Grams were cut or grouped)
     red = _rounding.reduction_width(aat[0].dtype, A.shape[1] * A.shape[2] ** 2)  # the final sum's rounding
-    if _guard_batch.BATCHED:  # the same reductions as whole Grams give, read from the strips
-        return _rounding.SymmetricReductions(
-            _grams.strips_inner(aat, ggt), _grams.strips_diagonal(aat), _grams.strips_diagonal(ggt),
-            _grams.strips_frobenius(aat), _grams.strips_frobenius(ggt), d, p, red)
-    na, ng = _grams.strips_diagonal_norms(aat, d), _grams.strips_diagonal_norms(ggt, p)
-    err = (_rounding.gram_rounding(_grams.strips_frobenius(ggt), na, na, d + red)
-           + _rounding.gram_rounding(_grams.strips_frobenius(aat), ng, ng, p))
-    return _grams.strips_inner(aat, ggt), err, _rounding.triangle_bound_sq(na, ng)
+    return _rounding.SymmetricReductions(
+        _grams.strips_inner(aat, ggt), _grams.strips_diagonal(aat), _grams.strips_diagonal(ggt),
+        _grams.strips_frobenius(aat), _grams.strips_frobenius(ggt), d, p, red)
 
 
 #: the bfloat16 roundings of the kept inputs of one pass's calls (:meth:`OuterProductKind.operand_activation`)

@@ -71,15 +71,20 @@ def test_finish_all_matches_symmetric_parts():
 
 @pytest.mark.parametrize("strip", [(2, 4), (3, 2)])
 def test_strips_give_the_per_parameter_bounds(strip, monkeypatch):
-    # Grams in strips (the CPU at T >= 128): their reductions finished as whole Grams' give the strips' own formula
-    # (gram_rounding of the positions' norms) to rounding
+    # Grams in strips (the CPU at T >= 128): their reductions finished as whole Grams' give the bound the strips had
+    # their own formula for before (gram_rounding of the positions' norms), to rounding
     monkeypatch.setattr(_grams, "GRAM_STRIP", {"cpu": strip, "default": (1, 1)})
     A, G = _operands(3, 7, 16, 3), _operands(3, 7, 24, 4)
-    got = _matmul.ghost_norm_parts(A, G, share=False)
-    monkeypatch.setattr(_guard_batch, "BATCHED", False)
-    want = _matmul.ghost_norm_parts(A, G, share=False)
-    assert len(_grams.gram_strips(A)) > 1
-    assert all(_same(x, y) for x, y in zip(got, want, strict=True))
+    sq, err, bound = _matmul.ghost_norm_parts(A, G, share=False)
+    aat, ggt = _grams.gram_strips(A), _grams.gram_strips(G)
+    assert len(aat) > 1
+    na, ng = (torch.cat([_rounding.diagonal_norms(q[..., :q.shape[2]], w) for q in P], dim=-1)
+              for P, w in ((aat, 16), (ggt, 24)))
+    red = _rounding.reduction_width(A.dtype, 7 * 7)
+    want_err = (_rounding.gram_rounding(_grams.strips_frobenius(ggt), na, na, 16 + red)
+                + _rounding.gram_rounding(_grams.strips_frobenius(aat), ng, ng, 24))
+    assert _same(sq, _grams.strips_inner(aat, ggt)) and _same(err, want_err)
+    assert _same(bound, _rounding.triangle_bound_sq(na, ng))
 
 
 def _item(A: torch.Tensor, G: torch.Tensor) -> _guard_batch.Guarded:
