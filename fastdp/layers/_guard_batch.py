@@ -85,9 +85,9 @@ def exact_flagged_all(items: Sequence[Guarded]) -> list[tuple[torch.Tensor, Exac
     read of whether any sample of each item is flagged; an item without one gets the contraction's raise from the
     stack, exactly as ``exact_flagged``'s common case; an item with one goes through ``exact_flagged`` on its own
     (its flagged samples taken apart)."""
-    out: list = [None] * len(items)
     if not BATCHED:
         return [_rounding.exact_flagged(*item) for item in items]
+    out: list = [None] * len(items)
     keys = [(sq.dtype, sq.device, tuple(sq.shape), err.dtype, bound.dtype, positions)
             for sq, err, bound, _, _, positions in items]
     for group in _groups(keys):

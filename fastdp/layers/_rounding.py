@@ -299,8 +299,7 @@ def symmetric_reductions(K: torch.Tensor, L: torch.Tensor, width_k: int, width_l
 def symmetric_finish(r: SymmetricReductions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`symmetric_parts` from its reductions: element-wise on them and sums over their last dimensions only,
     so a stack of several parameters' reductions gives the stack of their results."""
-    sk = upper_sq(r.diag_k, r.width_k) if r.width_k else r.diag_k  # (diagonal_squares)
-    sl = upper_sq(r.diag_l, r.width_l) if r.width_l else r.diag_l
+    sk, sl = diagonal_bound(r.diag_k, r.width_k), diagonal_bound(r.diag_l, r.width_l)
     nk, nl = sk.sqrt(), sl.sqrt()
     u, eta = roundoffs(r.diag_k.dtype)
     under = eta * r.diag_k.shape[-1]  # eta sqrt(Tx Ty), Tx = Ty = T
@@ -342,7 +341,11 @@ def diagonal_squares(gram: torch.Tensor, width: int = 0) -> torch.Tensor:
     at most ``width (u ||x_t||^2 + eta)`` in any order, :func:`gram_rounding`); ``width`` 0: an exact Gram (a
     token-equality mask). Without the slack a row of entries below ``2^-75`` (float32) had norm 0, and so did the
     triangle bound that caps a flagged sample's raised norm."""
-    diag = torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0)
+    return diagonal_bound(torch.diagonal(gram, dim1=-2, dim2=-1).clamp(min=0), width)
+
+
+def diagonal_bound(diag: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`diagonal_squares` from the diagonal itself, clamped at 0 (any shape)."""
     return upper_sq(diag, width) if width else diag
 
 
